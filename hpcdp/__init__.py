@@ -1,0 +1,20 @@
+"""hpcdp: MPI-native data-parallel training for PyTorch.
+
+The public surface is re-exported here; implementation lives in private
+modules (``_runtime``) and the subpackages ``comm`` (transport: ring schedule,
+progress engine, buffers and CUDA staging).
+"""
+__version__ = "0.1.0"
+
+from ._runtime import (NotInitializedError, finalize, info, init, is_initialized, local_rank,
+                       local_size, rank, size)
+from .collectives import (MismatchError, allreduce, allreduce_async, barrier, broadcast,
+                          broadcast_async, synchronize)
+from .comm.engine import CommError, Handle
+
+__all__ = [
+    "__version__",
+    "init", "is_initialized", "finalize", "rank", "size", "local_rank", "local_size", "info",
+    "allreduce", "allreduce_async", "synchronize", "broadcast", "broadcast_async", "barrier",
+    "Handle", "CommError", "MismatchError", "NotInitializedError",
+]

@@ -1,0 +1,204 @@
+"""Process-wide state: MPI, ranks, devices, the progress engine.
+
+``init()`` is idempotent. It initialises MPI through mpi4py (thread level
+``MPI_THREAD_MULTIPLE``, mpi4py's default), duplicates the communicator so our
+traffic never matches a user's messages, derives the local rank from a
+shared-memory split (not from launcher variables), pins ``cuda:local_rank``
+when CUDA is present, decides whether the MPI is CUDA-aware, and installs a
+hook that aborts the whole job when one rank dies of an uncaught exception.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import traceback
+
+from .comm.engine import Engine
+
+__all__ = ["init", "is_initialized", "rank", "size", "local_rank", "local_size", "info",
+           "finalize", "runtime", "NotInitializedError"]
+
+
+class NotInitializedError(RuntimeError):
+    pass
+
+
+class _Runtime:
+    def __init__(self, comm):
+        import mpi4py
+        from mpi4py import MPI
+        self.MPI = MPI
+        mode = os.environ.get("HPCDP_PROGRESS", "thread")
+        provided = MPI.Query_thread()
+        needed = MPI.THREAD_MULTIPLE if mode == "thread" else MPI.THREAD_SERIALIZED
+        if provided < needed:
+            names = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+                     MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+                     MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
+            raise RuntimeError(
+                f"hpcdp (HPCDP_PROGRESS={mode}) needs {names[needed]} but MPI was initialised with "
+                f"{names.get(provided, provided)} (mpi4py.rc.thread_level={mpi4py.rc.thread_level!r}). "
+                "Let mpi4py initialise MPI with its default thread level ('multiple'), "
+                "or set HPCDP_PROGRESS=poll (needs 'serialized').")
+        self.thread_level = provided
+        self.world = comm if comm is not None else MPI.COMM_WORLD
+        self.comm = self.world.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = self.local.Get_rank()
+        self.local_size = self.local.Get_size()
+        self.hostname = MPI.Get_processor_name() or socket.gethostname()
+        self.hostnames = self.comm.allgather(self.hostname)
+        self.device = "cpu"
+        self.cuda = False
+        torch = _import_torch()
+        if torch is not None and torch.cuda.is_available():
+            self.cuda = True
+            index = self.local_rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            self.device = f"cuda:{index}"
+        vendor, version = MPI.get_vendor()
+        self.vendor = f"{vendor} {'.'.join(map(str, version))}"
+        from .comm.cuda import detect_cuda_aware
+        self.cuda_aware, self.cuda_aware_how = detect_cuda_aware(vendor)
+        self.oversubscribed = self.local_size > (os.cpu_count() or 1)
+        self.engine = Engine(self.comm, MPI, mode, self.oversubscribed)
+        self._tmp = {}
+        self._staging = {}
+
+    # reusable temporaries, one per (kind, dtype): operations never run concurrently
+    def tmp(self, buf, nelem):
+        key = (buf.kind, getattr(buf.ops, "device", None), buf.dtype.name)
+        t = self._tmp.get(key)
+        if t is None or len(t) < nelem:
+            t = buf.ops.alloc(nelem)
+            self._tmp[key] = t
+        return t
+
+    def staging(self, buf):
+        key = buf.dtype.name
+        t = self._staging.get(key)
+        if t is None or len(t) < buf.n:
+            t = buf.ops.host_staging(max(buf.n, 1))
+            self._staging[key] = t
+        return t[:buf.n]
+
+    def staging_mode(self) -> str:
+        if not self.cuda:
+            return "host (no CUDA device in this process)"
+        if self.cuda_aware:
+            return "cuda-aware: device buffers are passed to MPI directly"
+        return "staged: device buffers are copied through pinned host memory"
+
+
+_rt: _Runtime | None = None
+_init_lock = threading.Lock()
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def init(comm=None) -> None:
+    """Initialise hpcdp (idempotent). ``comm`` defaults to ``MPI.COMM_WORLD``."""
+    global _rt
+    with _init_lock:
+        if _rt is not None:
+            return
+        _rt = _Runtime(comm)
+        if os.environ.get("HPCDP_ABORT_ON_EXCEPTION", "1") != "0":
+            _install_abort_hook(_rt)
+
+
+def is_initialized() -> bool:
+    return _rt is not None
+
+
+def runtime(caller: str = "this function") -> _Runtime:
+    if _rt is None:
+        raise NotInitializedError(f"hpcdp.{caller} was called before hpcdp.init(); "
+                                  "call hpcdp.init() once at the start of the script")
+    return _rt
+
+
+def rank() -> int:
+    return runtime("rank()").rank
+
+
+def size() -> int:
+    return runtime("size()").size
+
+
+def local_rank() -> int:
+    return runtime("local_rank()").local_rank
+
+
+def local_size() -> int:
+    return runtime("local_size()").local_size
+
+
+def info() -> dict:
+    """What this process runs on: MPI, ranks, hosts, CUDA and how buffers travel."""
+    rt = runtime("info()")
+    MPI = rt.MPI
+    levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    from . import __version__
+    import mpi4py
+    return {
+        "hpcdp_version": __version__,
+        "mpi_vendor": rt.vendor,
+        "mpi_library_version": MPI.Get_library_version().strip().replace("\x00", "").splitlines()[0],
+        "mpi_standard": ".".join(map(str, MPI.Get_version())),
+        "mpi4py_version": mpi4py.__version__,
+        "thread_level": levels.get(rt.thread_level, str(rt.thread_level)),
+        "progress": rt.engine.mode,
+        "rank": rt.rank,
+        "size": rt.size,
+        "local_rank": rt.local_rank,
+        "local_size": rt.local_size,
+        "hostname": rt.hostname,
+        "hostnames": list(rt.hostnames),
+        "cuda": rt.cuda,
+        "device": rt.device,
+        "cuda_aware": rt.cuda_aware,
+        "cuda_aware_how": rt.cuda_aware_how,
+        "staging": rt.staging_mode(),
+    }
+
+
+def finalize() -> None:
+    """Drain and stop the progress engine (MPI itself is finalised by mpi4py at exit)."""
+    global _rt
+    with _init_lock:
+        if _rt is not None:
+            _rt.engine.close()
+            _rt = None
+
+
+def _install_abort_hook(rt: _Runtime) -> None:
+    """An uncaught exception on one rank ends the whole job instead of hanging the rest."""
+    previous = sys.excepthook
+
+    def hook(etype, value, tb):
+        msg = "".join(traceback.format_exception(etype, value, tb))
+        sys.stderr.write(f"[hpcdp rank {rt.rank}/{rt.size} on {rt.hostname}] uncaught exception, "
+                         f"aborting the job:\n{msg}")
+        sys.stderr.flush()
+        if rt.size > 1:
+            rt.MPI.COMM_WORLD.Abort(1)
+        previous(etype, value, tb)
+
+    sys.excepthook = hook
+
+    def thread_hook(args):
+        hook(args.exc_type, args.exc_value, args.exc_traceback)
+
+    threading.excepthook = thread_hook

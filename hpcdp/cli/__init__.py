@@ -1,0 +1,1 @@
+"""Command-line tools: ``hpcdp-info``, ``hpcdp-bench``."""

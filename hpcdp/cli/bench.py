@@ -1,0 +1,23 @@
+"""``hpcdp-bench SUBCOMMAND``: benchmarks that print JSON lines and always time
+the peer in the same run. Subcommands: ``allreduce``."""
+from __future__ import annotations
+
+import sys
+
+_SUBCOMMANDS = {
+    "allreduce": "hpcdp.cli.bench_allreduce",
+}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in _SUBCOMMANDS:
+        print(f"usage: hpcdp-bench {{{','.join(_SUBCOMMANDS)}}} [options]   (-h after a subcommand for help)",
+              file=sys.stderr)
+        return 2
+    import importlib
+    return importlib.import_module(_SUBCOMMANDS[argv[0]]).main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""``hpcdp-bench allreduce``: hpcdp's ring against the MPI library's own
+``MPI_Allreduce`` (and torch gloo with ``--gloo``), in the same run, same buffers.
+
+Run under the launcher, e.g. ``mpirun -np 4 hpcdp-bench allreduce``. Rank 0
+prints one JSON object per size::
+
+    {"bench": "allreduce", "np": 4, "bytes": 16777216, "hpcdp_busbw": ...,
+     "native_busbw": ..., "ratio": ...}
+
+busbw = 2(n-1)/n * bytes / time (GB/s, 1e9), as nccl-tests define it; ``time`` is
+the median over trials of the slowest rank's time per call. Trials alternate
+hpcdp and native (A B A B ...) so that drift on a noisy machine hits both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+def _sizes(spec: str) -> list[int]:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    out = []
+    for tok in spec.split(","):
+        tok = tok.strip().lower().rstrip("ib")
+        mult = units.get(tok[-1], 1)
+        out.append(int(float(tok[:-1] if tok[-1] in units else tok) * mult))
+    return out
+
+
+def _time_calls(comm, fn, iters: int) -> float:
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    dt = (time.perf_counter() - t0) / iters
+    return comm.allreduce(dt, op=_max(comm))
+
+
+def _max(comm):
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def _gloo_group(rt):
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        port = rt.comm.bcast(29500 + os.getpid() % 2000 if rt.rank == 0 else None, root=0)
+        addr = rt.comm.bcast(rt.hostname if rt.rank == 0 else None, root=0)
+        os.environ.setdefault("MASTER_ADDR", addr if rt.size > 1 else "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+        dist.init_process_group("gloo", rank=rt.rank, world_size=rt.size)
+    return dist
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="hpcdp-bench allreduce", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="4k,16k,64k,256k,1m,4m,16m,64m,256m",
+                    help="buffer sizes in bytes (k/m/g suffixes), float32 elements")
+    ap.add_argument("--trials", type=int, default=5, help="alternating trials per size (median)")
+    ap.add_argument("--min-time", type=float, default=0.1,
+                    help="seconds each timed trial should last (sets iterations per trial)")
+    ap.add_argument("--gloo", action="store_true", help="also time torch.distributed gloo all_reduce")
+    ap.add_argument("--no-check", action="store_true",
+                    help="skip hpcdp's cross-rank argument check (what DDP does internally)")
+    args = ap.parse_args(argv)
+
+    import hpcdp
+    hpcdp.init()
+    from hpcdp._runtime import runtime
+    from mpi4py import MPI
+    rt = runtime()
+    comm, n = rt.comm, rt.size
+    dist = _gloo_group(rt) if args.gloo else None
+    check = not args.no_check
+    factor = 2 * (n - 1) / n if n > 1 else 1.0
+
+    for nbytes in _sizes(args.sizes):
+        elems = nbytes // 4
+        buf = np.zeros(elems, dtype=np.float32)  # stays 0: no overflow, no denormals
+        t_buf = None
+        if dist is not None:
+            import torch
+            t_buf = torch.zeros(elems, dtype=torch.float32)
+
+        runners = {
+            "hpcdp": lambda: hpcdp.allreduce(buf, check=check),
+            "native": lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
+        }
+        if dist is not None:
+            runners["gloo"] = lambda: dist.all_reduce(t_buf)
+        # calibrate iterations on a warm-up of each
+        iters = {}
+        for name, fn in runners.items():
+            fn()
+            one = _time_calls(comm, fn, 1)
+            iters[name] = comm.bcast(max(1, min(1000, int(args.min_time / max(one, 1e-7)))), root=0)
+        times = {name: [] for name in runners}
+        for _ in range(args.trials):
+            for name, fn in runners.items():
+                times[name].append(_time_calls(comm, fn, iters[name]))
+        if rt.rank == 0:
+            med = {k: statistics.median(v) for k, v in times.items()}
+            rec = {"bench": "allreduce", "np": n, "bytes": elems * 4, "mpi": rt.vendor,
+                   "check": check, "hpcdp_time_s": med["hpcdp"], "native_time_s": med["native"],
+                   "hpcdp_busbw": factor * elems * 4 / med["hpcdp"] / 1e9,
+                   "native_busbw": factor * elems * 4 / med["native"] / 1e9,
+                   "ratio": med["native"] / med["hpcdp"],
+                   "trials": args.trials, "iters": iters["hpcdp"]}
+            if dist is not None:
+                rec["gloo_time_s"] = med["gloo"]
+                rec["gloo_busbw"] = factor * elems * 4 / med["gloo"] / 1e9
+                rec["ratio_gloo"] = med["gloo"] / med["hpcdp"]
+            print(json.dumps(rec), flush=True)
+    if dist is not None:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

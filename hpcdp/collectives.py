@@ -1,0 +1,183 @@
+"""Public collectives: allreduce (own ring), broadcast, barrier.
+
+All of them go through the progress engine, so blocking and nonblocking calls
+complete in submission order on every rank. ``allreduce`` checks by default
+that every rank passed the same length, dtype and op (one 56-byte native
+allreduce); a mismatch raises :class:`MismatchError` on every rank, naming what
+each rank passed, instead of hanging or corrupting memory.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ._runtime import runtime
+from .comm.buffers import as_buffer
+from .comm.dtypes import dtype_from_code
+from .comm.engine import CommError, Handle
+from .comm.ring import RingConfig, ring_allreduce
+
+__all__ = ["allreduce", "allreduce_async", "synchronize", "broadcast", "broadcast_async",
+           "barrier", "MismatchError"]
+
+_OPS = {"sum": 1, "avg": 2}
+_OP_NAMES = {v: k for k, v in _OPS.items()}
+_KINDS = {"allreduce": 1, "broadcast": 2}
+
+_cfg = RingConfig(int(os.environ.get("HPCDP_SEGMENT_BYTES", 1 << 20)),
+                  int(os.environ.get("HPCDP_WINDOW", 4)))
+
+
+class MismatchError(CommError):
+    """Ranks passed different lengths, dtypes or ops to the same collective."""
+
+
+def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int = 0):
+    """Generator: make sure every rank called ``what`` with the same arguments."""
+    fields = [kind, buf.n, buf.dtype.code, op, extra]
+    sig = np.array(fields + [-f for f in fields], dtype=np.int64)
+    yield comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX)
+    k = len(fields)
+    if np.array_equal(sig[:k], -sig[k:]):
+        return
+    everyone = comm.allgather(fields)
+    groups: dict[tuple, list[int]] = {}
+    for r, f in enumerate(everyone):
+        groups.setdefault(tuple(f), []).append(r)
+    names = {v: k for k, v in _KINDS.items()}
+    lines = []
+    for f, ranks in groups.items():
+        desc = (f"{names.get(f[0], '?')} of {f[1]} elements of {dtype_from_code(f[2])}"
+                + (f", op={_OP_NAMES.get(f[3], f[3])}" if f[0] == _KINDS["allreduce"] else f", root={f[4]}"))
+        lines.append(f"  ranks {_ranges(ranks)}: {desc}")
+    raise MismatchError(
+        f"rank {comm.Get_rank()}: {what} of {buf.name!r}: ranks passed different arguments to the same "
+        "collective (every rank must call collectives in the same order with the same length, dtype "
+        "and op):\n" + "\n".join(lines))
+
+
+def _ranges(ranks):
+    out, start, prev = [], ranks[0], ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(out)
+
+
+def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats):
+    comm, MPI = rt.comm, rt.MPI
+    if check:
+        yield from _signature_check(comm, MPI, "allreduce", _KINDS["allreduce"], buf, op)
+    average = op == _OPS["avg"]
+    seg = max(1, _cfg.segment_bytes // buf.dtype.itemsize)
+    if buf.kind == "device" and not rt.cuda_aware:
+        host = rt.staging(buf)
+        buf.ops.to_host(buf.data, host)
+        hbuf = type(buf)(host, buf.n, buf.dtype, _host_ops(buf), buf.name)
+        yield from ring_allreduce(comm, MPI, hbuf, rt.tmp(hbuf, _cfg.window * seg), tag, _cfg,
+                                  average, stats)
+        buf.ops.from_host(host, buf.data)
+    else:
+        yield from ring_allreduce(comm, MPI, buf, rt.tmp(buf, _cfg.window * seg), tag, _cfg,
+                                  average, stats)
+
+
+def _host_ops(buf):
+    from .comm.buffers import HostOps
+    return HostOps(buf.dtype)
+
+
+def _parse_op(op: str, buf) -> int:
+    if op not in _OPS:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}")
+    if op == "avg" and not buf.dtype.is_float:
+        raise TypeError(f"op='avg' is undefined for {buf.name!r} of integer dtype {buf.dtype.name}; "
+                        "use op='sum' and divide yourself")
+    return _OPS[op]
+
+
+def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = True,
+                    stats: dict | None = None) -> Handle:
+    """Start an in-place ring allreduce of ``x``; returns a :class:`Handle`.
+
+    ``x``: contiguous numpy array, torch tensor (CPU or CUDA) or device array.
+    ``op``: ``"sum"`` or ``"avg"``. ``check``: verify across ranks that every
+    rank passed the same length, dtype and op (one tiny extra collective).
+    ``stats``: a dict that receives ``bytes_sent``/``bytes_recv`` counts.
+    ``x`` must not be touched until the handle completes.
+    """
+    rt = runtime("allreduce_async()")
+    buf = as_buffer(x, name or "tensor")
+    code = _parse_op(op, buf)
+    tag = rt.engine.next_tag()
+    return rt.engine.submit(_allreduce_gen(rt, buf, code, check, tag, stats), f"allreduce({buf.name})", x)
+
+
+def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
+              stats: dict | None = None):
+    """In-place ring allreduce of ``x`` (blocking); returns ``x``. See :func:`allreduce_async`."""
+    rt = runtime("allreduce()")
+    buf = as_buffer(x, name or "tensor")
+    code = _parse_op(op, buf)
+    tag = rt.engine.next_tag()
+    return rt.engine.run(_allreduce_gen(rt, buf, code, check, tag, stats), f"allreduce({buf.name})", x)
+
+
+def synchronize(handles) -> list:
+    """Wait for every handle (in order) and return their results."""
+    if isinstance(handles, Handle):
+        return [handles.wait()]
+    return [h.wait() for h in handles]
+
+
+def _broadcast_gen(rt, buf, root: int):
+    comm, MPI = rt.comm, rt.MPI
+    yield from _signature_check(comm, MPI, "broadcast", _KINDS["broadcast"], buf, 0, root)
+    if rt.size == 1 or buf.n == 0:
+        return
+    if buf.kind == "device" and not rt.cuda_aware:
+        host = rt.staging(buf)
+        if rt.rank == root:
+            buf.ops.to_host(buf.data, host)
+        yield comm.Ibcast([host, MPI.BYTE], root)
+        if rt.rank != root:
+            buf.ops.from_host(host, buf.data)
+    elif buf.kind == "device":
+        # Open MPI's nonblocking collectives reject device buffers; the blocking one is CUDA-aware.
+        buf.ops.ready()
+        comm.Bcast([buf.data, MPI.BYTE], root)
+    else:
+        yield comm.Ibcast([buf.data, MPI.BYTE], root)
+
+
+def broadcast_async(x, root: int = 0, name: str | None = None) -> Handle:
+    """Start an in-place broadcast of ``x`` from ``root``; returns a :class:`Handle`."""
+    rt = runtime("broadcast_async()")
+    if not 0 <= root < rt.size:
+        raise ValueError(f"broadcast root {root} is not a rank of this job (size {rt.size})")
+    buf = as_buffer(x, name or "tensor")
+    return rt.engine.submit(_broadcast_gen(rt, buf, root), f"broadcast({buf.name})", x)
+
+
+def broadcast(x, root: int = 0, name: str | None = None):
+    """In-place broadcast of ``x`` from ``root`` (blocking); returns ``x``."""
+    rt = runtime("broadcast()")
+    if not 0 <= root < rt.size:
+        raise ValueError(f"broadcast root {root} is not a rank of this job (size {rt.size})")
+    buf = as_buffer(x, name or "tensor")
+    return rt.engine.run(_broadcast_gen(rt, buf, root), f"broadcast({buf.name})", x)
+
+
+def _barrier_gen(rt):
+    yield rt.comm.Ibarrier()
+
+
+def barrier() -> None:
+    """Block until every rank got here (ordered after all pending hpcdp operations)."""
+    rt = runtime("barrier()")
+    rt.engine.run(_barrier_gen(rt), "barrier")

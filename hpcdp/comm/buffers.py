@@ -1,0 +1,226 @@
+"""What the ring can reduce, and how it touches the memory of each kind.
+
+``as_buffer(x)`` turns a user object into a :class:`Buffer`: a flat 1-D view of
+the same memory (nothing is copied) plus the :class:`ArrayOps` that know how to
+slice it, allocate temporaries of the same kind, reduce into it and make it
+safe for MPI to read.
+
+Supported inputs: contiguous numpy arrays, contiguous torch tensors (CPU or
+CUDA), and objects exposing ``__cuda_array_interface__``. Device arrays of a
+type other than torch are handled by the ops registered for that type with
+:func:`register_device_ops` (the tests register a fake GPU array this way, the
+same trick mpi4py's own test-suite uses); without a registration they are
+wrapped as torch CUDA tensors (zero copy) when CUDA is available.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from .dtypes import DType, dtype_from_name, host_add, host_scale
+
+__all__ = ["Buffer", "ArrayOps", "HostOps", "as_buffer", "register_device_ops"]
+
+_NUMPY_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
+                np.dtype(np.float64): "float64", np.dtype(np.int32): "int32",
+                np.dtype(np.int64): "int64"}
+
+
+class ArrayOps:
+    """The memory-kind specific operations the ring needs (host or device)."""
+
+    kind = "host"  # "host" or "device"
+
+    def __init__(self, dtype: DType):
+        self.dtype = dtype
+
+    def alloc(self, n: int):
+        raise NotImplementedError
+
+    def add(self, dst, src) -> None:
+        raise NotImplementedError
+
+    def scale(self, dst, divisor: int) -> None:
+        raise NotImplementedError
+
+    def ready(self) -> None:
+        """Block until pending device work on the buffers is done (MPI reads next)."""
+
+    # device kinds only: copies to and from host staging memory
+    def to_host(self, src, dst: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def from_host(self, src: np.ndarray, dst) -> None:
+        raise NotImplementedError
+
+    def host_staging(self, n: int) -> np.ndarray:
+        raise NotImplementedError
+
+
+class HostOps(ArrayOps):
+    kind = "host"
+
+    def alloc(self, n):
+        return np.empty(n, dtype=self.dtype.storage)
+
+    def add(self, dst, src):
+        host_add(self.dtype, dst, src)
+
+    def scale(self, dst, divisor):
+        host_scale(self.dtype, dst, divisor)
+
+
+class TorchCudaOps(ArrayOps):
+    """torch CUDA tensors: reductions run on the current stream of the device."""
+
+    kind = "device"
+
+    def __init__(self, dtype, device):
+        super().__init__(dtype)
+        import torch
+        self._torch = torch
+        self.device = device
+        self._tdtype = getattr(torch, dtype.name)
+
+    def alloc(self, n):
+        return self._torch.empty(n, dtype=self._tdtype, device=self.device)
+
+    def add(self, dst, src):
+        dst.add_(src)
+
+    def scale(self, dst, divisor):
+        dst.div_(divisor)
+
+    def ready(self):
+        self._torch.cuda.current_stream(self.device).synchronize()
+
+    def to_host(self, src, dst):
+        self._host_tensor(dst).copy_(src, non_blocking=True)
+        self.ready()
+
+    def from_host(self, src, dst):
+        dst.copy_(self._host_tensor(src), non_blocking=True)
+        self.ready()
+
+    def host_staging(self, n):
+        t = self._torch.empty(n, dtype=self._tdtype, pin_memory=True)
+        return _tensor_numpy(t, self.dtype)
+
+    def _host_tensor(self, a: np.ndarray):
+        t = self._torch.from_numpy(a.view(np.int16) if self.dtype.name == "bfloat16" else a)
+        return t.view(self._tdtype) if self.dtype.name == "bfloat16" else t
+
+
+_DEVICE_OPS: dict[type, type] = {}
+
+
+def register_device_ops(array_type: type, ops_type: type) -> None:
+    """Use ``ops_type(dtype)`` for device arrays of ``array_type`` (and subclasses).
+
+    ``array_type`` must expose ``__cuda_array_interface__``, support ``len``,
+    slicing ``a[lo:hi]`` into views of the same type, and ``reshape(-1)``.
+    """
+    _DEVICE_OPS[array_type] = ops_type
+
+
+@dataclass
+class Buffer:
+    data: object        # flat 1-D view of the caller's memory (numpy array or device array)
+    n: int
+    dtype: DType
+    ops: ArrayOps
+    name: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * self.dtype.itemsize
+
+    @property
+    def kind(self) -> str:
+        return self.ops.kind
+
+
+def _tensor_numpy(t, dtype: DType) -> np.ndarray:
+    if dtype.name == "bfloat16":
+        import torch
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def _cai_dtype(cai) -> str:
+    typestr = cai["typestr"]
+    try:
+        return _NUMPY_NAMES[np.dtype(typestr)]
+    except (KeyError, TypeError):
+        raise TypeError(f"unsupported __cuda_array_interface__ typestr {typestr!r}") from None
+
+
+def _cai_contiguous(cai) -> bool:
+    strides = cai.get("strides")
+    if strides is None:
+        return True
+    itemsize = np.dtype(cai["typestr"]).itemsize
+    expected = itemsize
+    for dim, stride in zip(reversed(cai["shape"]), reversed(strides)):
+        if dim != 1 and stride != expected:
+            return False
+        expected *= dim
+    return True
+
+
+def as_buffer(x, name: str = "tensor") -> Buffer:
+    """Return a flat :class:`Buffer` over ``x``'s memory, or raise a clear error."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        return _torch_buffer(torch, x, name)
+    if isinstance(x, np.ndarray):
+        if x.dtype not in _NUMPY_NAMES:
+            raise TypeError(f"hpcdp cannot reduce {name!r}: numpy dtype {x.dtype} is not supported "
+                            f"(supported: {', '.join(_NUMPY_NAMES.values())})")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"hpcdp needs a contiguous buffer but {name!r} (shape {x.shape}, "
+                             f"strides {x.strides}) is not; pass np.ascontiguousarray(x) and copy back")
+        if not x.flags.writeable:
+            raise ValueError(f"hpcdp reduces in place but {name!r} is read-only")
+        d = dtype_from_name(_NUMPY_NAMES[x.dtype])
+        flat = x.reshape(-1)
+        return Buffer(flat, flat.size, d, HostOps(d), name)
+    if hasattr(x, "__cuda_array_interface__"):
+        return _cai_buffer(x, name)
+    raise TypeError(f"hpcdp cannot reduce {name!r} of type {type(x).__module__}.{type(x).__qualname__}; "
+                    "pass a numpy array, a torch tensor or an object with __cuda_array_interface__")
+
+
+def _torch_buffer(torch, t, name) -> Buffer:
+    dname = str(t.dtype).replace("torch.", "")
+    d = dtype_from_name(dname)
+    if t.requires_grad:
+        raise ValueError(f"hpcdp reduces in place but {name!r} requires grad; pass {name}.detach() "
+                         "(or .data) to reduce it outside autograd")
+    if not t.is_contiguous():
+        raise ValueError(f"hpcdp needs a contiguous tensor but {name!r} (shape {tuple(t.shape)}, "
+                         f"stride {t.stride()}) is not; call .contiguous() and copy the result back")
+    flat = t.view(-1)
+    if t.is_cuda:
+        return Buffer(flat, flat.numel(), d, TorchCudaOps(d, t.device), name)
+    if t.device.type != "cpu":
+        raise TypeError(f"hpcdp cannot reduce {name!r} on device {t.device}; CPU and CUDA only")
+    return Buffer(_tensor_numpy(flat, d), flat.numel(), d, HostOps(d), name)
+
+
+def _cai_buffer(x, name) -> Buffer:
+    cai = x.__cuda_array_interface__
+    d = dtype_from_name(_cai_dtype(cai))
+    if not _cai_contiguous(cai):
+        raise ValueError(f"hpcdp needs a contiguous device array but {name!r} has strides {cai['strides']}")
+    for klass in type(x).__mro__:
+        if klass in _DEVICE_OPS:
+            flat = x.reshape(-1)
+            return Buffer(flat, len(flat), d, _DEVICE_OPS[klass](d), name)
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        raise TypeError(f"{name!r} is a device array ({type(x).__qualname__}) but CUDA is not available "
+                        "in this process and no hpcdp device ops are registered for its type")
+    return _torch_buffer(torch, torch.as_tensor(x, device="cuda"), name)

@@ -1,0 +1,289 @@
+"""The progress engine: runs collective operations in submission order.
+
+Every operation is a generator (see :mod:`hpcdp.comm.ring`) that yields MPI
+requests it needs completed. Operations run strictly one after another, in the
+order they were submitted, which is the same on every rank, so their messages
+can never cross.
+
+Progress modes (``HPCDP_PROGRESS``):
+
+``thread`` (default)
+    A daemon thread drives queued operations while the caller computes. Between
+    requests it tests with back-off instead of spinning inside ``MPI_Waitall``
+    (a spinning thread would steal the core that backward needs); while a caller
+    is blocked in :meth:`Handle.wait` it waits with ``Waitall`` for the lowest
+    latency. Needs ``MPI_THREAD_MULTIPLE``.
+``poll``
+    No thread: operations advance only inside :func:`Engine.progress` calls
+    (the DDP hooks make one per gradient) and in :meth:`Handle.wait`.
+
+A blocking call made while nothing is queued runs inline on the caller's
+thread (no hand-off latency); otherwise it queues behind the pending work.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from os import sched_yield
+
+__all__ = ["Engine", "Handle", "CommError"]
+
+
+class CommError(RuntimeError):
+    """A collective failed; the message names the rank and the operation."""
+
+
+class Handle:
+    """A pending operation. ``wait()`` returns its result or raises its error."""
+
+    __slots__ = ("_engine", "_gen", "_pending", "_done", "_event", "_error", "name",
+                 "result", "seq", "t_start", "t_end")
+
+    def __init__(self, engine, gen, name, result, seq):
+        self._engine = engine
+        self._gen = gen
+        self._pending = None     # request(s) the generator waits on
+        self._done = False
+        self._event = None       # created on demand by a waiter on another thread
+        self._error = None
+        self.name = name
+        self.result = result     # what wait() returns (the reduced object)
+        self.seq = seq
+        self.t_start = 0         # perf_counter_ns when the engine started / finished it
+        self.t_end = 0
+
+    def done(self) -> bool:
+        """True once the operation has completed (never blocks; may make progress)."""
+        if not self._done:
+            self._engine.progress()
+        return self._done
+
+    def wait(self):
+        """Block until the operation completed; return its result."""
+        if not self._done:
+            self._engine._wait_for(self)
+        if self._error is not None:
+            raise self._error
+        return self.result
+
+    def __repr__(self):
+        state = "done" if self._done else "pending"
+        return f"<hpcdp.Handle #{self.seq} {self.name} {state}>"
+
+
+class Engine:
+    def __init__(self, comm, MPI, mode: str | None = None, oversubscribed: bool = False):
+        self.comm = comm
+        self.MPI = MPI
+        self.mode = mode or os.environ.get("HPCDP_PROGRESS", "thread")
+        if self.mode not in ("thread", "poll"):
+            raise ValueError(f"HPCDP_PROGRESS must be 'thread' or 'poll', got {self.mode!r}")
+        self._queue: collections.deque[Handle] = collections.deque()
+        self._lock = threading.Lock()          # guards the queue and the running op
+        self._cv = threading.Condition(self._lock)
+        self._running: Handle | None = None    # op currently being driven
+        self._waiters = 0                       # callers blocked in wait()
+        self._seq = 0
+        self._thread = None
+        self._closed = False
+        # Oversubscribed nodes (more ranks than cores): a rank spinning inside
+        # MPI_Wait keeps the core from the neighbour it waits for. Test and give
+        # the core away instead. HPCDP_WAIT=spin|yield|auto.
+        wait = os.environ.get("HPCDP_WAIT", "auto")
+        if wait not in ("spin", "yield", "auto"):
+            raise ValueError(f"HPCDP_WAIT must be spin, yield or auto, got {wait!r}")
+        self.yield_cpu = wait == "yield" or (wait == "auto" and oversubscribed)
+
+    # -- submission --------------------------------------------------------------
+    def submit(self, gen, name: str, result=None) -> Handle:
+        with self._cv:
+            if self._closed:
+                raise CommError("hpcdp engine is shut down (hpcdp.finalize() was called)")
+            self._seq += 1
+            h = Handle(self, gen, name, result, self._seq)
+            self._queue.append(h)
+            if self.mode == "thread":
+                self._ensure_thread()
+                self._cv.notify_all()
+        return h
+
+    def run(self, gen, name: str, result=None):
+        """Run an operation to completion and return ``result`` (blocking call).
+
+        With nothing queued or running it is driven right here, on the caller's
+        thread; otherwise it queues behind the pending operations.
+        """
+        with self._cv:
+            if self._closed:
+                raise CommError("hpcdp engine is shut down (hpcdp.finalize() was called)")
+            self._seq += 1
+            h = Handle(self, gen, name, result, self._seq)
+            if self._running is not None or self._queue:
+                self._queue.append(h)
+                if self.mode == "thread":
+                    self._ensure_thread()
+                    self._cv.notify_all()
+                inline = False
+            else:
+                self._running = h
+                h.t_start = time.perf_counter_ns()
+                inline = True
+        if not inline:
+            return h.wait()
+        self._step(h, block=True)
+        with self._cv:
+            self._running = None
+            self._finish(h)
+            self._cv.notify_all()
+        if h._error is not None:
+            raise h._error
+        return h.result
+
+    def next_tag(self) -> int:
+        return self._seq % 32000 + 1
+
+    # -- driving ----------------------------------------------------------------
+    def _step(self, h: Handle, block: bool) -> bool:
+        """Advance ``h``; return True when it has finished. Caller owns ``_running``."""
+        MPI = self.MPI
+        try:
+            while True:
+                pending = h._pending
+                if pending is not None:
+                    if isinstance(pending, list):
+                        if block:
+                            if self.yield_cpu:
+                                while not MPI.Request.Testall(pending):
+                                    sched_yield()
+                            else:
+                                MPI.Request.Waitall(pending)
+                        elif not MPI.Request.Testall(pending):
+                            return False
+                    elif block:
+                        if self.yield_cpu:
+                            while not pending.Test():
+                                sched_yield()
+                        else:
+                            pending.Wait()
+                    elif not pending.Test():
+                        return False
+                h._pending = next(h._gen)
+        except StopIteration:
+            pass
+        except Exception as exc:  # surfaced to the caller in wait()
+            h._error = exc if isinstance(exc, CommError) else CommError(
+                f"rank {self.comm.Get_rank()}: {h.name} failed: {exc!r}")
+            h._error.__cause__ = exc
+        h.t_end = time.perf_counter_ns()
+        return True
+
+    def _finish(self, h: Handle):
+        h._done = True
+        if h._event is not None:
+            h._event.set()
+
+    def progress(self) -> None:
+        """Advance queued operations without blocking (poll mode; harmless otherwise)."""
+        if self.mode == "thread":
+            return
+        with self._lock:
+            while True:
+                if self._running is None:
+                    if not self._queue:
+                        return
+                    self._running = self._queue.popleft()
+                    self._running.t_start = time.perf_counter_ns()
+                h = self._running
+                if not self._step(h, block=False):
+                    return
+                self._running = None
+                self._finish(h)
+
+    def _wait_for(self, target: Handle):
+        if self.mode == "poll":
+            with self._lock:
+                while not target._done:
+                    if self._running is None:
+                        self._running = self._queue.popleft()
+                        self._running.t_start = time.perf_counter_ns()
+                    h = self._running
+                    self._step(h, block=True)
+                    self._running = None
+                    self._finish(h)
+            return
+        with self._cv:
+            # Nothing ahead of it and the thread is idle: run it inline.
+            if self._running is None and self._queue and self._queue[0] is target:
+                self._queue.popleft()
+                self._running = target
+                target.t_start = time.perf_counter_ns()
+                inline = True
+            else:
+                inline = False
+                self._waiters += 1
+                if target._event is None:
+                    target._event = threading.Event()
+                    if target._done:
+                        target._event.set()
+        if inline:
+            self._step(target, block=True)
+            with self._cv:
+                self._running = None
+                self._finish(target)
+                self._cv.notify_all()
+            return
+        try:
+            target._event.wait()
+        finally:
+            with self._cv:
+                self._waiters -= 1
+
+    # -- the progress thread ------------------------------------------------------
+    def _ensure_thread(self):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="hpcdp-progress", daemon=True)
+            self._thread.start()
+
+    def _loop(self):
+        MPI = self.MPI
+        while True:
+            with self._cv:
+                while not self._closed and (self._running is not None or not self._queue):
+                    self._cv.wait()
+                if self._closed and not self._queue:
+                    return
+                h = self._queue.popleft()
+                self._running = h
+                h.t_start = time.perf_counter_ns()
+            self._drive_backoff(h, MPI)
+            with self._cv:
+                self._running = None
+                self._finish(h)
+                self._cv.notify_all()
+
+    def _drive_backoff(self, h: Handle, MPI):
+        """Drive ``h`` to completion: Waitall when a caller waits, else test with back-off."""
+        idle = 0
+        while True:
+            if self._waiters:
+                if self._step(h, block=True):
+                    return
+                continue
+            before = h._pending
+            if self._step(h, block=False):
+                return
+            idle = idle + 1 if h._pending is before else 0
+            if idle < 50:
+                os.sched_yield()
+            else:
+                time.sleep(20e-6 if idle < 500 else 200e-6)
+
+    def close(self):
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
