@@ -1,0 +1,78 @@
+"""Shared test setup.
+
+Serial run: ``python -m pytest tests`` (MPI-marked tests are skipped).
+Multi-rank run: ``mpirun -np N python -m pytest --with-mpi --only-mpi tests``.
+
+Under mpirun a failing test on one rank would leave the other ranks waiting in
+the next collective; instead the failing rank prints its report (prefixed with
+its rank) and aborts the whole job, so a failure is a failure within seconds,
+never a hang. Ranks other than 0 keep quiet unless something fails.
+"""
+import os
+import sys
+
+import pytest
+
+
+def _mpi_size_rank():
+    if "mpi4py.MPI" not in sys.modules and not any(a.startswith("--with-mpi") for a in sys.argv):
+        return 1, 0
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
+
+
+def pytest_configure(config):
+    if not config.getoption("--with-mpi", default=False):
+        return
+    size, rank = _mpi_size_rank()
+    if rank != 0:
+        reporter = config.pluginmanager.getplugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+
+
+def pytest_report_header(config):
+    if not config.getoption("--with-mpi", default=False):
+        return None
+    import hpcdp
+    hpcdp.init()
+    i = hpcdp.info()
+    return (f"hpcdp: {i['mpi_vendor']}, np={i['size']}, thread level {i['thread_level']}, "
+            f"progress {i['progress']}, cuda_aware={i['cuda_aware']} ({i['cuda_aware_how']})")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or item.get_closest_marker("mpi") is None:
+        return
+    size, rank = _mpi_size_rank()
+    if size == 1:
+        return
+    sys.stderr.write(f"\n[rank {rank}/{size}] FAILED {item.nodeid} ({report.when}):\n"
+                     f"{report.longreprtext}\n[rank {rank}] aborting the job\n")
+    sys.stderr.flush()
+    from mpi4py import MPI
+    MPI.COMM_WORLD.Abort(1)
+
+
+@pytest.fixture(scope="session")
+def rt():
+    """The initialised hpcdp runtime (MPI tests only)."""
+    import hpcdp
+    from hpcdp._runtime import runtime
+    hpcdp.init()
+    return runtime()
+
+
+@pytest.fixture
+def world(rt):
+    return rt.comm
+
+
+def pytest_collection_modifyitems(config, items):
+    # hard ceiling for every test unless it says otherwise
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(int(os.environ.get("HPCDP_TEST_TIMEOUT", "120"))))

@@ -1,0 +1,36 @@
+"""Start small MPI jobs from serial tests (the launcher of this venv's MPI)."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mpirun() -> str:
+    cand = Path(sys.executable).parent / "mpirun"
+    return str(cand) if cand.exists() else (shutil.which("mpirun") or "mpirun")
+
+
+def is_open_mpi() -> bool:
+    out = subprocess.run([mpirun(), "--version"], capture_output=True, text=True).stdout
+    return "Open MPI" in out or "OpenRTE" in out
+
+
+def mpi_env(extra=None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_btl", "^ofi")
+    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env.update(extra or {})
+    return env
+
+
+def run_mpi(np_: int, args, timeout: float, env=None) -> subprocess.CompletedProcess:
+    """Run ``mpirun -np N python ARGS``; a hang is a TimeoutExpired (a failure)."""
+    cmd = [mpirun(), "-np", str(np_), sys.executable, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(env),
+                          cwd=str(ROOT))

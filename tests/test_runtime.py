@@ -1,0 +1,70 @@
+"""Runtime behaviour seen from outside: init errors, info, abort on exception."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launch import ROOT, mpi_env, run_mpi
+
+
+def _py(code, timeout=60):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, env=mpi_env(), cwd=str(ROOT))
+
+
+def test_call_before_init_is_a_clear_error():
+    p = _py("import numpy, hpcdp; hpcdp.allreduce(numpy.zeros(3))")
+    assert p.returncode != 0
+    assert "hpcdp.allreduce() was called before hpcdp.init()" in p.stderr
+
+
+def test_rank_before_init_is_a_clear_error():
+    p = _py("import hpcdp; hpcdp.rank()")
+    assert "hpcdp.rank() was called before hpcdp.init()" in p.stderr
+
+
+def test_thread_level_too_low_is_a_clear_error():
+    p = _py("import mpi4py; mpi4py.rc.thread_level = 'serialized'\n"
+            "import hpcdp; hpcdp.init()")
+    assert p.returncode != 0
+    assert "needs MPI_THREAD_MULTIPLE but MPI was initialised with MPI_THREAD_SERIALIZED" in p.stderr
+    assert "HPCDP_PROGRESS=poll" in p.stderr
+
+
+def test_init_is_idempotent_and_single_rank_works():
+    p = _py("import numpy as np, hpcdp; hpcdp.init(); hpcdp.init(); x = np.ones(3);"
+            "hpcdp.allreduce(x, op='avg'); assert (x == 1).all(); print(hpcdp.size(), hpcdp.local_size())")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["1", "1"]
+
+
+@pytest.mark.timeout(120)
+def test_info_under_mpirun_lists_every_rank():
+    p = run_mpi(2, ["-m", "hpcdp.info"], timeout=90)
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["size"] == 2 and [r["rank"] for r in info["ranks"]] == [0, 1]
+    assert info["local_size"] == 2 and sorted(r["local_rank"] for r in info["ranks"]) == [0, 1]
+    assert info["cuda_aware"] in (True, False) and info["cuda_aware_how"]
+    assert info["thread_level"] == "multiple"
+
+
+@pytest.mark.timeout(120)
+def test_cuda_aware_override_is_reported():
+    p = run_mpi(1, ["-m", "hpcdp.info"], timeout=90, env={"HPCDP_CUDA_AWARE": "1"})
+    assert json.loads(p.stdout)["cuda_aware_how"] == "forced by HPCDP_CUDA_AWARE=1"
+    p = run_mpi(1, ["-m", "hpcdp.info"], timeout=90, env={"HPCDP_CUDA_AWARE": "maybe"})
+    assert p.returncode != 0 and "HPCDP_CUDA_AWARE must be 0, 1 or auto" in p.stderr
+
+
+@pytest.mark.timeout(120)
+def test_exception_on_one_rank_aborts_the_job():
+    """Rank 1 dies while rank 0 waits in a barrier: the job must end, naming rank 1."""
+    code = ("import hpcdp, time; hpcdp.init()\n"
+            "if hpcdp.rank() == 1:\n"
+            "    raise ValueError('boom on purpose')\n"
+            "hpcdp.barrier(); time.sleep(60)\n")
+    p = run_mpi(2, ["-c", code], timeout=90)
+    assert p.returncode != 0
+    assert "[hpcdp rank 1/2" in p.stderr and "boom on purpose" in p.stderr
