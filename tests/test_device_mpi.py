@@ -16,8 +16,12 @@ from fakegpu import FakeGPUArray, FakeOps
 pytestmark = pytest.mark.mpi
 
 
+_DETECTED = {}
+
+
 @pytest.fixture(params=[True, False], ids=["cuda-aware", "staged"])
 def transport(request, rt, monkeypatch):
+    _DETECTED.setdefault("verdict", (rt.cuda_aware, rt.cuda_aware_how))
     monkeypatch.setattr(rt, "cuda_aware", request.param)
     return request.param
 
@@ -69,6 +73,9 @@ def _cuda_or_skip():
 @pytest.mark.parametrize("n", [1, 1001, 1 << 20])
 def test_cuda_tensor_allreduce(world, transport, dtype, n):
     torch = _cuda_or_skip()
+    aware, how = _DETECTED["verdict"]
+    if transport and not aware:
+        pytest.skip(f"this MPI is not CUDA-aware ({how}); only the staged transport can run")
     rank, size = world.Get_rank(), world.Get_size()
     t = torch.randn(n, device="cuda", generator=torch.Generator("cuda").manual_seed(rank)).to(getattr(torch, dtype))
     everyone = world.allgather(t.cpu())

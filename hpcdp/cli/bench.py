@@ -1,11 +1,12 @@
 """``hpcdp-bench SUBCOMMAND``: benchmarks that print JSON lines and always time
-the peer in the same run. Subcommands: ``allreduce``."""
+the peer in the same run. Subcommands: ``allreduce``, ``overlap``."""
 from __future__ import annotations
 
 import sys
 
 _SUBCOMMANDS = {
     "allreduce": "hpcdp.cli.bench_allreduce",
+    "overlap": "hpcdp.cli.bench_overlap",
 }
 
 
