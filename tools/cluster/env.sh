@@ -1,0 +1,45 @@
+# env.sh — source this (job scripts, tests, interactive shells) to use the local cluster:
+#
+#     . tools/cluster/env.sh        # then: sbatch --wait job.sh / srun -N2 -n2 ...
+#
+# It points the Slurm clients at the cluster's slurm.conf and makes MPI traffic really
+# cross the shaped veth links between the node namespaces. All the nodes share one
+# kernel, so without these settings pip MPICH's default UCX netmod reaches the "other
+# node" through shared memory / CMA and 0 bytes cross the link (check with
+# `harness.tc_bytes` or `tc -s qdisc`). A value already set by the caller wins.
+#
+# Sourced, not executed: no `set -euo pipefail` here (that would change the caller's
+# shell options), no exit, only exports.
+# shellcheck shell=bash
+
+export HPCDP_CLUSTER_DIR="${HPCDP_CLUSTER_DIR:-/tmp/hpcdp-cluster}"
+# The values up.sh recorded (node count, rate, subnet, SLURM_CONF), if the cluster is up.
+if [ -r "$HPCDP_CLUSTER_DIR/cluster.env" ]; then
+    while IFS='=' read -r _hpcdp_k _hpcdp_v; do
+        case $_hpcdp_k in
+            HPCDP_CLUSTER_NODES|HPCDP_CLUSTER_RATE|HPCDP_CLUSTER_SUBNET) export "$_hpcdp_k=$_hpcdp_v" ;;
+        esac
+    done <"$HPCDP_CLUSTER_DIR/cluster.env"
+    unset _hpcdp_k _hpcdp_v
+fi
+
+# Slurm: our own slurm.conf (the system /etc/slurm is not used); the daemons live in
+# /usr/sbin on Debian, which a non-login root shell may lack.
+export SLURM_CONF="$HPCDP_CLUSTER_DIR/etc/slurm.conf"
+case ":$PATH:" in *:/usr/sbin:*) ;; *) export PATH="$PATH:/usr/sbin" ;; esac
+# srun's --mpi default (slurm.conf also has MpiDefault=pmi2). pip MPICH needs PMI-2;
+# --mpi=none would silently give N singletons (each rank 0 of size 1).
+export SLURM_MPI_TYPE="${SLURM_MPI_TYPE:-pmi2}"
+
+# pip MPICH (5.x): use the OFI netmod with libfabric's tcp provider, i.e. real TCP over
+# eth0. (UCX_TLS=tcp with the UCX netmod works too.) MPICH decides "same node" by
+# hostname, and every node has its own, so intra-node shm is not used across nodes.
+export MPIR_CVAR_CH4_NETMOD="${MPIR_CVAR_CH4_NETMOD:-ofi}"
+export FI_PROVIDER="${FI_PROVIDER:-tcp}"
+
+# pip Open MPI (5.x), should someone use it with `srun --mpi=pmix`: its ob1/tcp btl uses
+# eth0 across nodes by default; skip the ofi btl (1 s MPI_Init delay here) and use
+# PMIx's native security (Slurm asks for munge, which the pip PMIx lacks).
+# (Also set OPAL_PREFIX=PMIX_PREFIX=<venv> for its help files; see docs/cluster.md.)
+export OMPI_MCA_btl="${OMPI_MCA_btl:-^ofi}"
+export PMIX_MCA_psec="${PMIX_MCA_psec:-native}"

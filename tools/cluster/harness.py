@@ -1,0 +1,424 @@
+"""Drive the local fake Slurm cluster (tools/cluster/up.sh) from Python. Stdlib only.
+
+Typical use (tests, benchmark scripts)::
+
+    import sys; sys.path.insert(0, "<repo>/tools/cluster")
+    import harness
+
+    ok, why = harness.can_run()
+    with harness.Cluster(rate="1gbit", nodes=2) as c:
+        before = c.tc_bytes("node1")
+        rc, out = c.sbatch_wait("#!/bin/bash\\n#SBATCH -N2 -n2\\nsrun hostname\\n", timeout=60)
+        sent = c.tc_bytes("node1") - before
+
+Every external command runs in its own session with a hard timeout; on expiry the
+whole process group is killed (and the Slurm job cancelled) and ``ClusterTimeout`` is
+raised, so nothing here can hang. Output goes through temporary files, not pipes, so
+a daemon that inherits a descriptor cannot block us either.
+
+Command line: ``python3 tools/cluster/harness.py check`` prints what ``can_run()`` says;
+``python3 tools/cluster/harness.py bench --rates 1gbit,2gbit`` brings the cluster up, times
+a 64 MiB Allreduce across the nodes at each rate (with tc byte counts), and tears it down.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parent.parent
+UP_SH = HERE / "up.sh"
+DOWN_SH = HERE / "down.sh"
+ENV_SH = HERE / "env.sh"
+DEFAULT_DIR = "/tmp/hpcdp-cluster"
+
+__all__ = ["Cluster", "ClusterError", "ClusterTimeout", "can_run", "REPO_ROOT"]
+
+
+class ClusterError(RuntimeError):
+    """A harness step failed (non-zero exit of up.sh, sbatch refused the job, ...)."""
+
+
+class ClusterTimeout(ClusterError):
+    """A harness step ran past its timeout; its process group was killed."""
+
+
+# Variables that a surrounding launcher may have set for *this* process (pytest run inside
+# an allocation of another Slurm, or under mpirun): they must not leak into our jobs,
+# where srun would join the wrong job or MPI would read a stale PMI descriptor.
+_FOREIGN_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "PMI_", "PMIX_", "HYDRA_", "HYDI_",
+                     "MPI_LOCAL", "OMPI_COMM_WORLD", "OMPI_MCA_ess", "PRTE_")
+_KEEP = {"SLURM_CONF", "SLURM_MPI_TYPE", "PMIX_MCA_psec"}
+
+
+def _base_env(extra: Mapping[str, str] | None = None) -> dict:
+    env = dict(os.environ)
+    path = env.get("PATH", "/usr/bin:/bin")
+    for d in ("/usr/sbin", "/sbin", "/usr/bin", "/bin"):
+        if d not in path.split(":"):
+            path += ":" + d
+    env["PATH"] = path
+    if extra:
+        env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _killpg(proc: subprocess.Popen, grace: float = 3.0) -> None:
+    """SIGTERM the process group of ``proc``, then SIGKILL after ``grace`` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _run(cmd: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None,
+         cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with a hard timeout; returns a CompletedProcess with text output.
+
+    Raises ClusterTimeout (with the partial output) if it does not finish in time.
+    """
+    with tempfile.TemporaryFile("w+") as fout, tempfile.TemporaryFile("w+") as ferr:
+        try:
+            proc = subprocess.Popen(list(map(str, cmd)), stdin=subprocess.DEVNULL, stdout=fout,
+                                    stderr=ferr, env=env, cwd=cwd, start_new_session=True, text=True)
+        except OSError as e:
+            raise ClusterError(f"cannot run {cmd[0]}: {e}") from e
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _killpg(proc)
+        except BaseException:  # e.g. KeyboardInterrupt or pytest-timeout: leave nothing behind
+            _killpg(proc)
+            raise
+        fout.seek(0)
+        ferr.seek(0)
+        out, err = fout.read(), ferr.read()
+    if timed_out:
+        raise ClusterTimeout(f"timed out after {timeout:g}s: {' '.join(map(str, cmd))}\n"
+                             f"--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}")
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+# ----------------------------------------------------------------------------- can_run
+_CAN_RUN: dict = {}
+
+
+def can_run(install: bool = True, timeout: float = 600.0) -> tuple[bool, str]:
+    """Can the cluster be brought up here? Returns ``(ok, reason)``; reason says why not.
+
+    Checks Linux, root, the util-linux/iproute2 tools, that network/UTS/mount namespaces
+    can be created, and (``install=True``) that the Debian packages are present or can be
+    installed by ``up.sh --install-only`` (apt-get; this is the slow part, done once per
+    process). Set ``HPCDP_SKIP_CLUSTER=1`` to answer False on purpose.
+    """
+    key = bool(install)
+    if key in _CAN_RUN:
+        return _CAN_RUN[key]
+    res = _can_run(install, timeout)
+    _CAN_RUN[key] = res
+    if res[0]:
+        _CAN_RUN[False] = res
+    return res
+
+
+def _can_run(install: bool, timeout: float) -> tuple[bool, str]:
+    if os.environ.get("HPCDP_SKIP_CLUSTER", "") not in ("", "0"):
+        return False, "HPCDP_SKIP_CLUSTER is set"
+    if not sys.platform.startswith("linux"):
+        return False, f"the cluster harness needs Linux (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return False, "the cluster harness needs root (network namespaces, tc, slurmd)"
+    env = _base_env()
+    which = lambda c: shutil.which(c, path=env["PATH"])  # noqa: E731
+    for tool in ("bash", "unshare", "nsenter", "flock", "timeout"):
+        if not which(tool):
+            return False, f"'{tool}' not found (util-linux/coreutils)"
+    if not (which("ip") and which("tc")) and not which("apt-get"):
+        return False, "'ip'/'tc' not found and no apt-get to install iproute2"
+    try:
+        r = _run(["unshare", "--net", "--uts", "--mount", "true"], timeout=20, env=env)
+    except ClusterError as e:
+        return False, f"cannot create namespaces: {e}"
+    if r.returncode != 0:
+        return False, ("cannot create network/UTS/mount namespaces (container without "
+                       f"CAP_SYS_ADMIN?): {r.stderr.strip()[-300:]}")
+    if install:
+        try:
+            r = _run(["bash", str(UP_SH), "--install-only"], timeout=timeout, env=env)
+        except ClusterError as e:
+            return False, f"apt cannot install Slurm: {e}"
+        if r.returncode != 0:
+            return False, f"apt cannot install Slurm/munge/iproute2: {r.stderr.strip()[-600:]}"
+    return True, "ok"
+
+
+# ----------------------------------------------------------------------------- Cluster
+class Cluster:
+    """The local cluster as a context manager: ``up.sh`` on enter, ``down.sh`` on exit.
+
+    rate:  tbf egress rate of every node's NIC ("1gbit", "2gbit", "500mbit", "none").
+    nodes: number of fake nodes node1..nodeN.
+    dir:   state directory (default $HPCDP_CLUSTER_DIR or /tmp/hpcdp-cluster).
+    keep:  leave the cluster up on exit (default: env HPCDP_CLUSTER_KEEP=1).
+    """
+
+    def __init__(self, rate: str = "1gbit", nodes: int = 2, dir: str | None = None,
+                 up_timeout: float = 300.0, down_timeout: float = 60.0, keep: bool | None = None):
+        self.rate = str(rate)
+        self.nodes = int(nodes)
+        self.dir = Path(dir or os.environ.get("HPCDP_CLUSTER_DIR") or DEFAULT_DIR)
+        self.up_timeout = up_timeout
+        self.down_timeout = down_timeout
+        self.keep = (os.environ.get("HPCDP_CLUSTER_KEEP", "") not in ("", "0")) if keep is None else keep
+        self._env: dict | None = None
+        self._seq = 0
+
+    # -- lifecycle
+    def __enter__(self) -> "Cluster":
+        self.up()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.keep:
+            self.down()
+
+    def _script_env(self) -> dict:
+        return _base_env({"HPCDP_CLUSTER_DIR": str(self.dir)})
+
+    def up(self) -> None:
+        """Run up.sh (idempotent). Raises ClusterError with up.sh's stderr on failure."""
+        r = _run(["bash", str(UP_SH), "--rate", self.rate, "--nodes", str(self.nodes)],
+                 timeout=self.up_timeout, env=self._script_env())
+        if r.returncode != 0:
+            raise ClusterError(f"up.sh failed (rc={r.returncode}):\n{r.stderr[-3000:]}")
+        self._env = None
+
+    def set_rate(self, rate: str) -> None:
+        """Change the shaping of every node in place (re-runs up.sh; Slurm keeps running)."""
+        self.rate = str(rate)
+        self.up()
+
+    def down(self) -> None:
+        r = _run(["bash", str(DOWN_SH)], timeout=self.down_timeout, env=self._script_env())
+        if r.returncode != 0:
+            raise ClusterError(f"down.sh failed (rc={r.returncode}):\n{r.stderr[-3000:]}")
+
+    # -- environment
+    @property
+    def env(self) -> dict:
+        """os.environ plus everything tools/cluster/env.sh exports (SLURM_CONF, MPI vars)."""
+        if self._env is None:
+            r = _run(["bash", "-c", '. "$1" >/dev/null && env -0', "bash", str(ENV_SH)],
+                     timeout=30, env=self._script_env())
+            if r.returncode != 0:
+                raise ClusterError(f"sourcing env.sh failed: {r.stderr}")
+            env = {}
+            for item in r.stdout.split("\0"):
+                k, sep, v = item.partition("=")
+                if sep and k and not k.startswith("BASH_FUNC_"):
+                    env[k] = v
+            for k in list(env):
+                if k in ("_", "SHLVL", "PWD", "OLDPWD") or (
+                        k.startswith(_FOREIGN_PREFIXES) and k not in _KEEP):
+                    env.pop(k, None)
+            self._env = env
+        return dict(self._env)
+
+    def _env_with(self, extra: Mapping[str, str] | None) -> dict:
+        env = self.env
+        if extra:
+            env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    @property
+    def node_names(self) -> list[str]:
+        return [f"node{i}" for i in range(1, self.nodes + 1)]
+
+    def netns(self, node: str | int) -> str:
+        """Name of the network namespace of ``node`` ("node1" or 1)."""
+        i = int(str(node).removeprefix("node"))
+        if not 1 <= i <= self.nodes:
+            raise ValueError(f"no such node: {node!r}")
+        prefix = self.recorded().get("HPCDP_CLUSTER_NETNS_PREFIX") or \
+            os.environ.get("HPCDP_CLUSTER_NETNS_PREFIX", "hpcdp-")
+        return f"{prefix}node{i}"
+
+    def recorded(self) -> dict:
+        """The settings up.sh recorded in $DIR/cluster.env ({} when the cluster is down)."""
+        try:
+            text = (self.dir / "cluster.env").read_text()
+        except OSError:
+            return {}
+        return dict(line.split("=", 1) for line in text.splitlines()
+                    if "=" in line and not line.startswith("#"))
+
+    def _token(self) -> str:
+        self._seq += 1
+        return f"hpcdp-{os.getpid()}-{time.time_ns() % 10**9}-{self._seq}"
+
+    def _scancel(self, name: str) -> None:
+        try:
+            _run(["scancel", "--name", name], timeout=15, env=self.env)
+        except ClusterError:
+            pass
+
+    # -- jobs
+    def sbatch_wait(self, script: str | os.PathLike, env: Mapping[str, str] | None = None,
+                    timeout: float = 120.0, args: Iterable[str] = ()) -> tuple[int, str]:
+        """Submit ``script`` with ``sbatch --wait`` and return ``(rc, job_output)``.
+
+        ``script`` is a path to a batch script, or the script's text (anything with a
+        newline or starting with "#!"), which is written under $DIR/jobs/. ``rc`` is the
+        job's exit code as sbatch --wait reports it; ``job_output`` is the job's stdout
+        and stderr (one --output file). The job runs with ``self.env`` (+ ``env``). On
+        timeout the job is cancelled and ClusterTimeout raised with the partial output.
+        """
+        jobs = self.dir / "jobs"
+        jobs.mkdir(parents=True, exist_ok=True)
+        token = self._token()
+        text = str(script)
+        if isinstance(script, os.PathLike) or ("\n" not in text and not text.startswith("#!")):
+            path = Path(script)
+            if not path.is_file():
+                raise ClusterError(f"batch script not found: {path}")
+        else:
+            path = jobs / f"{token}.sh"
+            path.write_text(text if text.startswith("#!") else "#!/bin/bash\n" + text)
+            path.chmod(0o755)
+        out_pat = jobs / f"{token}-%j.out"
+        cmd = ["sbatch", "--wait", "--parsable", f"--job-name={token}", f"--output={out_pat}",
+               *args, str(path)]
+        try:
+            r = _run(cmd, timeout=timeout, env=self._env_with(env), cwd=str(jobs))
+        except ClusterTimeout as e:
+            self._scancel(token)
+            raise ClusterTimeout(f"{e}\n--- job output so far\n{self._job_output(jobs, token)}") from None
+        jobid = r.stdout.strip().split(";")[0].splitlines()[0] if r.stdout.strip() else ""
+        if not jobid.isdigit():
+            raise ClusterError(f"sbatch did not submit (rc={r.returncode}): {r.stderr.strip()}")
+        out_file = jobs / f"{token}-{jobid}.out"
+        return r.returncode, out_file.read_text(errors="replace") if out_file.exists() else r.stderr
+
+    @staticmethod
+    def _job_output(jobs: Path, token: str) -> str:
+        return "".join(p.read_text(errors="replace") for p in sorted(jobs.glob(f"{token}-*.out")))[-4000:]
+
+    def srun(self, args: Sequence[str], env: Mapping[str, str] | None = None,
+             timeout: float = 60.0) -> subprocess.CompletedProcess:
+        """Run ``srun <args>`` from the root namespace; returns the CompletedProcess.
+
+        ``args`` are srun's arguments and the command, e.g. ``["-N2", "-n2", "hostname"]``.
+        On timeout the step/job is cancelled and ClusterTimeout raised.
+        """
+        token = self._token()
+        cmd = ["srun", f"--job-name={token}", *map(str, args)]
+        try:
+            return _run(cmd, timeout=timeout, env=self._env_with(env))
+        except ClusterTimeout:
+            self._scancel(token)
+            raise
+
+    # -- network counters
+    def tc_stats(self, node: str | int) -> dict:
+        """Counters of the root qdisc on ``node``'s eth0: bytes, packets, dropped, overlimits."""
+        r = _run(["tc", "-n", self.netns(node), "-s", "qdisc", "show", "dev", "eth0"],
+                 timeout=10, env=_base_env())
+        if r.returncode != 0:
+            raise ClusterError(f"tc failed for {node}: {r.stderr.strip()}")
+        lines = r.stdout.splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("qdisc ") and " root " in line + " ":
+                stats = " ".join(lines[i + 1:i + 3])
+                m = re.search(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)", stats)
+                if m:
+                    b, p, d, o = map(int, m.groups())
+                    return {"qdisc": line.split()[1], "bytes": b, "packets": p, "dropped": d,
+                            "overlimits": o}
+        raise ClusterError(f"no root qdisc statistics on {node}:\n{r.stdout}")
+
+    def tc_bytes(self, node: str | int) -> int:
+        """Bytes sent so far through ``node``'s shaping qdisc (egress of its eth0)."""
+        return self.tc_stats(node)["bytes"]
+
+
+def bench(rates: Sequence[str], size_mib: float = 64, iters: int = 5, nodes: int = 2,
+          python: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+          timeout: float = 300.0) -> list[dict]:
+    """Time mpi4py's native Allreduce (tools/cluster/bench_allreduce.py) across ``nodes``
+    nodes at each rate in ``rates``, one batch job per rate, and count the tc bytes.
+
+    Returns one dict per rate: rate, min_ms, median_ms, busbw_gbit, and the bytes that
+    left each node through its qdisc (total over warm-up + ``iters`` allreduces).
+    """
+    py = Path(python) if python else REPO_ROOT / ".venv" / "bin" / "python"
+    rows = []
+    with Cluster(rate=rates[0], nodes=nodes) as c:
+        for rate in rates:
+            c.set_rate(rate)
+            script = (f"#!/bin/bash\n#SBATCH -N {nodes} -n {nodes} --time=5\nset -euo pipefail\n"
+                      f". {shlex.quote(str(ENV_SH))}\n"
+                      f"srun --mpi=pmi2 -N {nodes} -n {nodes} {shlex.quote(str(py))} "
+                      f"{shlex.quote(str(HERE / 'bench_allreduce.py'))} {size_mib:g} {iters}\n")
+            before = {n: c.tc_bytes(n) for n in c.node_names}
+            rc, out = c.sbatch_wait(script, env=env, timeout=timeout)
+            sent = {n: c.tc_bytes(n) - before[n] for n in c.node_names}
+            m = re.search(r"RESULT .*min_ms=([\d.]+) median_ms=([\d.]+) busbw_gbit=([\d.]+)", out)
+            if rc != 0 or not m:
+                raise ClusterError(f"benchmark job failed at rate {rate} (rc={rc}):\n{out}")
+            rows.append({"rate": rate, "min_ms": float(m[1]), "median_ms": float(m[2]),
+                         "busbw_gbit": float(m[3]), "tc_bytes": sent, "allreduces": iters + 1,
+                         "output": out})
+    return rows
+
+
+def _main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="harness.py", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd")
+    sub.add_parser("check", help="print what can_run() says (exit 1 if it cannot run)")
+    b = sub.add_parser("bench", help="Allreduce across the nodes at several rates (up, run, down)")
+    b.add_argument("--rates", default="1gbit,2gbit", help="comma-separated tbf rates (or none)")
+    b.add_argument("--size-mib", type=float, default=64)
+    b.add_argument("--iters", type=int, default=5)
+    b.add_argument("--nodes", type=int, default=2)
+    b.add_argument("--python", default=None, help="python with mpi4py (default: <repo>/.venv)")
+    b.add_argument("--env", action="append", default=[], metavar="K=V",
+                   help="extra job environment, e.g. MPIR_CVAR_CH4_NETMOD=ucx")
+    a = ap.parse_args(argv[1:])
+    if a.cmd in (None, "check"):
+        ok, why = can_run()
+        print(("OK: " if ok else "CANNOT RUN: ") + why)
+        return 0 if ok else 1
+    extra = dict(kv.split("=", 1) for kv in a.env)
+    rows = bench(a.rates.split(","), a.size_mib, a.iters, a.nodes, a.python, extra)
+    names = sorted(rows[0]["tc_bytes"])
+    print(f"# {a.size_mib:g} MiB float32 Allreduce (mpi4py native), {a.nodes} nodes, "
+          f"{a.iters} timed + 1 warm-up; tc bytes are per node over all {a.iters + 1} allreduces")
+    print("| rate | min ms | median ms | busbw Gbit/s | " + " | ".join(f"tc bytes {n}" for n in names) + " |")
+    print("|---|---|---|---|" + "---|" * len(names))
+    for r in rows:
+        print(f"| {r['rate']} | {r['min_ms']:.0f} | {r['median_ms']:.0f} | {r['busbw_gbit']:.2f} | "
+              + " | ".join(f"{r['tc_bytes'][n]:,}" for n in names) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv))
