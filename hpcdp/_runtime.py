@@ -115,6 +115,9 @@ def init(comm=None) -> None:
         _rt = _Runtime(comm)
         if os.environ.get("HPCDP_ABORT_ON_EXCEPTION", "1") != "0":
             _install_abort_hook(_rt)
+        timeout = float(os.environ.get("HPCDP_STALL_TIMEOUT", "600"))
+        if timeout > 0:
+            _rt.engine.start_watchdog(timeout, lambda msg: _abort(_rt, "stall", msg))
 
 
 def is_initialized() -> bool:
@@ -181,6 +184,15 @@ def finalize() -> None:
         if _rt is not None:
             _rt.engine.close()
             _rt = None
+
+
+def _abort(rt: _Runtime, what: str, message: str) -> None:
+    """Print ``message`` naming this rank, then end the whole job."""
+    sys.stderr.write(f"[hpcdp rank {rt.rank}/{rt.size} on {rt.hostname}] {what}: {message}\n")
+    sys.stderr.flush()
+    # MPI_Abort may itself block when a peer is gone; make sure this process ends.
+    threading.Timer(10.0, os._exit, args=(134,)).start()
+    rt.MPI.COMM_WORLD.Abort(1)
 
 
 def _install_abort_hook(rt: _Runtime) -> None:

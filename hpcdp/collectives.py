@@ -33,8 +33,10 @@ class MismatchError(CommError):
     """Ranks passed different lengths, dtypes or ops to the same collective."""
 
 
-def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int = 0):
+def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int = 0, where=None):
     """Generator: make sure every rank called ``what`` with the same arguments."""
+    if where is not None:
+        where["phase"] = "argument check (native allreduce over all ranks)"
     fields = [kind, buf.n, buf.dtype.code, op, extra]
     sig = np.array(fields + [-f for f in fields], dtype=np.int64)
     yield comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX)
@@ -69,10 +71,10 @@ def _ranges(ranks):
     return ",".join(out)
 
 
-def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats):
+def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats, where):
     comm, MPI = rt.comm, rt.MPI
     if check:
-        yield from _signature_check(comm, MPI, "allreduce", _KINDS["allreduce"], buf, op)
+        yield from _signature_check(comm, MPI, "allreduce", _KINDS["allreduce"], buf, op, where=where)
     average = op == _OPS["avg"]
     seg = max(1, _cfg.segment_bytes // buf.dtype.itemsize)
     if buf.kind == "device" and not rt.cuda_aware:
@@ -80,11 +82,11 @@ def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats):
         buf.ops.to_host(buf.data, host)
         hbuf = type(buf)(host, buf.n, buf.dtype, _host_ops(buf), buf.name)
         yield from ring_allreduce(comm, MPI, hbuf, rt.tmp(hbuf, _cfg.window * seg), tag, _cfg,
-                                  average, stats)
+                                  average, stats, where)
         buf.ops.from_host(host, buf.data)
     else:
         yield from ring_allreduce(comm, MPI, buf, rt.tmp(buf, _cfg.window * seg), tag, _cfg,
-                                  average, stats)
+                                  average, stats, where)
 
 
 def _host_ops(buf):
@@ -115,7 +117,9 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     buf = as_buffer(x, name or "tensor")
     code = _parse_op(op, buf)
     tag = rt.engine.next_tag()
-    return rt.engine.submit(_allreduce_gen(rt, buf, code, check, tag, stats), f"allreduce({buf.name})", x)
+    where = {}
+    return rt.engine.submit(_allreduce_gen(rt, buf, code, check, tag, stats, where),
+                            f"allreduce({buf.name})", x, where)
 
 
 def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
@@ -125,7 +129,9 @@ def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
     buf = as_buffer(x, name or "tensor")
     code = _parse_op(op, buf)
     tag = rt.engine.next_tag()
-    return rt.engine.run(_allreduce_gen(rt, buf, code, check, tag, stats), f"allreduce({buf.name})", x)
+    where = {}
+    return rt.engine.run(_allreduce_gen(rt, buf, code, check, tag, stats, where),
+                         f"allreduce({buf.name})", x, where)
 
 
 def synchronize(handles) -> list:
@@ -135,9 +141,10 @@ def synchronize(handles) -> list:
     return [h.wait() for h in handles]
 
 
-def _broadcast_gen(rt, buf, root: int):
+def _broadcast_gen(rt, buf, root: int, where):
     comm, MPI = rt.comm, rt.MPI
-    yield from _signature_check(comm, MPI, "broadcast", _KINDS["broadcast"], buf, 0, root)
+    yield from _signature_check(comm, MPI, "broadcast", _KINDS["broadcast"], buf, 0, root, where)
+    where["phase"] = f"broadcast from rank {root}"
     if rt.size == 1 or buf.n == 0:
         return
     if buf.kind == "device" and not rt.cuda_aware:
@@ -161,7 +168,8 @@ def broadcast_async(x, root: int = 0, name: str | None = None) -> Handle:
     if not 0 <= root < rt.size:
         raise ValueError(f"broadcast root {root} is not a rank of this job (size {rt.size})")
     buf = as_buffer(x, name or "tensor")
-    return rt.engine.submit(_broadcast_gen(rt, buf, root), f"broadcast({buf.name})", x)
+    where = {}
+    return rt.engine.submit(_broadcast_gen(rt, buf, root, where), f"broadcast({buf.name})", x, where)
 
 
 def broadcast(x, root: int = 0, name: str | None = None):
@@ -170,14 +178,17 @@ def broadcast(x, root: int = 0, name: str | None = None):
     if not 0 <= root < rt.size:
         raise ValueError(f"broadcast root {root} is not a rank of this job (size {rt.size})")
     buf = as_buffer(x, name or "tensor")
-    return rt.engine.run(_broadcast_gen(rt, buf, root), f"broadcast({buf.name})", x)
+    where = {}
+    return rt.engine.run(_broadcast_gen(rt, buf, root, where), f"broadcast({buf.name})", x, where)
 
 
-def _barrier_gen(rt):
+def _barrier_gen(rt, where):
+    where["phase"] = "barrier"
     yield rt.comm.Ibarrier()
 
 
 def barrier() -> None:
     """Block until every rank got here (ordered after all pending hpcdp operations)."""
     rt = runtime("barrier()")
-    rt.engine.run(_barrier_gen(rt), "barrier")
+    where = {}
+    rt.engine.run(_barrier_gen(rt, where), "barrier", None, where)

@@ -68,3 +68,18 @@ def test_exception_on_one_rank_aborts_the_job():
     p = run_mpi(2, ["-c", code], timeout=90)
     assert p.returncode != 0
     assert "[hpcdp rank 1/2" in p.stderr and "boom on purpose" in p.stderr
+
+
+@pytest.mark.timeout(120)
+def test_stalled_peer_aborts_the_job_naming_it():
+    """Rank 1 never joins the allreduce: rank 0's watchdog names it and ends the job."""
+    code = ("import hpcdp, time, numpy as np; hpcdp.init()\n"
+            "if hpcdp.rank() == 1:\n"
+            "    time.sleep(100)\n"
+            "hpcdp.allreduce(np.ones(1000), name='bucket7', check=False)\n")
+    p = run_mpi(2, ["-c", code], timeout=90, env={"HPCDP_STALL_TIMEOUT": "3"})
+    assert p.returncode != 0
+    assert "[hpcdp rank 0/2" in p.stderr
+    assert "no progress for" in p.stderr and "allreduce(bucket7)" in p.stderr
+    assert "scatter-reduce step 0, waiting for a message from rank 1" in p.stderr
+    assert "HPCDP_STALL_TIMEOUT=3" in p.stderr

@@ -25,8 +25,10 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import sys
 import time
 from os import sched_yield
+from time import monotonic
 
 __all__ = ["Engine", "Handle", "CommError"]
 
@@ -39,9 +41,9 @@ class Handle:
     """A pending operation. ``wait()`` returns its result or raises its error."""
 
     __slots__ = ("_engine", "_gen", "_pending", "_done", "_event", "_error", "name",
-                 "result", "seq", "t_start", "t_end")
+                 "result", "seq", "t_start", "t_end", "where")
 
-    def __init__(self, engine, gen, name, result, seq):
+    def __init__(self, engine, gen, name, result, seq, where=None):
         self._engine = engine
         self._gen = gen
         self._pending = None     # request(s) the generator waits on
@@ -53,6 +55,7 @@ class Handle:
         self.seq = seq
         self.t_start = 0         # perf_counter_ns when the engine started / finished it
         self.t_end = 0
+        self.where = where       # dict the operation keeps current: {"stage": ..., "peer": ...}
 
     def done(self) -> bool:
         """True once the operation has completed (never blocks; may make progress)."""
@@ -88,6 +91,7 @@ class Engine:
         self._seq = 0
         self._thread = None
         self._closed = False
+        self.last_progress = monotonic()
         # Oversubscribed nodes (more ranks than cores): a rank spinning inside
         # MPI_Wait keeps the core from the neighbour it waits for. Test and give
         # the core away instead. HPCDP_WAIT=spin|yield|auto.
@@ -97,19 +101,19 @@ class Engine:
         self.yield_cpu = wait == "yield" or (wait == "auto" and oversubscribed)
 
     # -- submission --------------------------------------------------------------
-    def submit(self, gen, name: str, result=None) -> Handle:
+    def submit(self, gen, name: str, result=None, where=None) -> Handle:
         with self._cv:
             if self._closed:
                 raise CommError("hpcdp engine is shut down (hpcdp.finalize() was called)")
             self._seq += 1
-            h = Handle(self, gen, name, result, self._seq)
+            h = Handle(self, gen, name, result, self._seq, where)
             self._queue.append(h)
             if self.mode == "thread":
                 self._ensure_thread()
                 self._cv.notify_all()
         return h
 
-    def run(self, gen, name: str, result=None):
+    def run(self, gen, name: str, result=None, where=None):
         """Run an operation to completion and return ``result`` (blocking call).
 
         With nothing queued or running it is driven right here, on the caller's
@@ -119,7 +123,7 @@ class Engine:
             if self._closed:
                 raise CommError("hpcdp engine is shut down (hpcdp.finalize() was called)")
             self._seq += 1
-            h = Handle(self, gen, name, result, self._seq)
+            h = Handle(self, gen, name, result, self._seq, where)
             if self._running is not None or self._queue:
                 self._queue.append(h)
                 if self.mode == "thread":
@@ -128,7 +132,7 @@ class Engine:
                 inline = False
             else:
                 self._running = h
-                h.t_start = time.perf_counter_ns()
+                self._started(h)
                 inline = True
         if not inline:
             return h.wait()
@@ -169,6 +173,7 @@ class Engine:
                             pending.Wait()
                     elif not pending.Test():
                         return False
+                self.last_progress = monotonic()
                 h._pending = next(h._gen)
         except StopIteration:
             pass
@@ -178,6 +183,10 @@ class Engine:
             h._error.__cause__ = exc
         h.t_end = time.perf_counter_ns()
         return True
+
+    def _started(self, h: Handle):
+        h.t_start = time.perf_counter_ns()
+        self.last_progress = monotonic()
 
     def _finish(self, h: Handle):
         h._done = True
@@ -194,7 +203,7 @@ class Engine:
                     if not self._queue:
                         return
                     self._running = self._queue.popleft()
-                    self._running.t_start = time.perf_counter_ns()
+                    self._started(self._running)
                 h = self._running
                 if not self._step(h, block=False):
                     return
@@ -207,7 +216,7 @@ class Engine:
                 while not target._done:
                     if self._running is None:
                         self._running = self._queue.popleft()
-                        self._running.t_start = time.perf_counter_ns()
+                        self._started(self._running)
                     h = self._running
                     self._step(h, block=True)
                     self._running = None
@@ -218,7 +227,7 @@ class Engine:
             if self._running is None and self._queue and self._queue[0] is target:
                 self._queue.popleft()
                 self._running = target
-                target.t_start = time.perf_counter_ns()
+                self._started(target)
                 inline = True
             else:
                 inline = False
@@ -256,7 +265,7 @@ class Engine:
                     return
                 h = self._queue.popleft()
                 self._running = h
-                h.t_start = time.perf_counter_ns()
+                self._started(h)
             self._drive_backoff(h, MPI)
             with self._cv:
                 self._running = None
@@ -279,6 +288,45 @@ class Engine:
                 os.sched_yield()
             else:
                 time.sleep(20e-6 if idle < 500 else 200e-6)
+
+    # -- stall detection -----------------------------------------------------------
+    def start_watchdog(self, timeout: float, abort) -> None:
+        """Abort the job when the running operation makes no progress for ``timeout`` s.
+
+        A rank that died (SIGKILL, node failure) leaves its neighbours waiting for a
+        message forever; the watchdog turns that into an error naming the operation,
+        the stage, and the rank that did not answer, then calls ``abort(message)``.
+        """
+        def watch():
+            period = min(1.0, timeout / 10)
+            while not self._closed:
+                time.sleep(period)
+                h = self._running
+                if h is None or monotonic() - self.last_progress < timeout:
+                    continue
+                if h is not self._running:
+                    continue
+                abort(self.describe_stall(h, monotonic() - self.last_progress, timeout))
+                return
+
+        threading.Thread(target=watch, name="hpcdp-watchdog", daemon=True).start()
+
+    def describe_stall(self, h: Handle, idle: float, timeout: float) -> str:
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        where = h.where or {}
+        stage = where.get("phase", "starting")
+        if "step" in where:
+            stage += f" step {where['step']}"
+        peer = where.get("peer")
+        waiting = (f"waiting for a message from rank {peer}" if peer is not None
+                   else "waiting for all ranks")
+        queued = [q.name for q in list(self._queue)]
+        more = f"; {len(queued)} more queued: {', '.join(queued[:6])}{' ...' if len(queued) > 6 else ''}" \
+            if queued else ""
+        missing = (f"rank {peer} is missing or stuck (did it die, or call a different collective?)"
+                   if peer is not None else "some rank did not join (did one die?)")
+        return (f"rank {rank}/{size}: no progress for {idle:.1f} s in {h.name} (#{h.seq}), {stage}, "
+                f"{waiting}{more}. {missing} Aborting the job (HPCDP_STALL_TIMEOUT={timeout:g}).")
 
     def close(self):
         with self._cv:

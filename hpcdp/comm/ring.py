@@ -56,7 +56,8 @@ def _plan(n, size, rank, seg) -> _Plan:
     return _Plan(n, size, rank, seg)
 
 
-def ring_allreduce(comm, MPI, buf, tmp, tag: int, cfg: RingConfig, average: bool, stats=None):
+def ring_allreduce(comm, MPI, buf, tmp, tag: int, cfg: RingConfig, average: bool, stats=None,
+                   where=None):
     """Generator: allreduce ``buf`` (a :class:`~hpcdp.comm.buffers.Buffer`) in place.
 
     ``tmp`` is a flat temporary of the same kind and dtype holding at least
@@ -64,7 +65,9 @@ def ring_allreduce(comm, MPI, buf, tmp, tag: int, cfg: RingConfig, average: bool
     (owner-side for fp32/fp64: the owner divides its reduced chunk before the
     allgather; pre-division of the whole buffer for fp16/bf16, which would
     otherwise overflow). ``stats``, if given, is a dict whose ``bytes_sent`` and
-    ``bytes_recv`` entries are incremented.
+    ``bytes_recv`` entries are incremented. ``where``, if given, is a dict kept
+    current with ``phase``, ``step`` and the ``peer`` being waited for (read by the
+    stall watchdog).
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     ops, data, itemsize = buf.ops, buf.data, buf.dtype.itemsize
@@ -97,9 +100,14 @@ def ring_allreduce(comm, MPI, buf, tmp, tag: int, cfg: RingConfig, average: bool
     for lo, hi in plan.first_sends:
         first.append(Isend([data[lo:hi], BYTE], right, tag))
     last = size - 2
+    if where is None:
+        where = {}
+    where["peer"] = left
+    where["phase"] = "scatter-reduce"
     ag_sends = []  # allgather step-0 sends: the owned chunk, final as soon as reduced
     for m in range(nin):
         i, lo, hi = incoming[m]
+        where["step"] = i
         yield recv_reqs[m]
         recv_reqs[m] = None
         piece = data[lo:hi]
@@ -127,12 +135,16 @@ def ring_allreduce(comm, MPI, buf, tmp, tag: int, cfg: RingConfig, average: bool
         # chunk (rank - j) was sent at scatter-reduce step j: that send must have
         # left before the region is overwritten
         if send_reqs_by_step[j]:
+            where["peer"], where["phase"], where["step"] = right, "scatter-reduce send", j
             yield send_reqs_by_step[j]
+            where["peer"], where["phase"] = left, "allgather"
             send_reqs_by_step[j] = []
         posted[j] = [Irecv([data[lo:hi], BYTE], left, tag) for lo, hi in ag_recv[j]]
 
+    where["phase"] = "allgather"
     yield from post(0)
     for j in range(steps):
+        where["step"] = j
         if j + 1 < steps:
             yield from post(j + 1)
         forward = j + 1 < steps
@@ -143,6 +155,7 @@ def ring_allreduce(comm, MPI, buf, tmp, tag: int, cfg: RingConfig, average: bool
         posted[j] = None
     leftover = [r for step in send_reqs_by_step for r in step] + ag_sends
     if leftover:
+        where["peer"], where["phase"] = right, "final sends"
         yield leftover
     if stats is not None:
         stats["bytes_sent"] = stats.get("bytes_sent", 0) + plan.sent * itemsize
