@@ -1,0 +1,87 @@
+"""Error-feedback memory of the 1-bit compressor, and its bucket layout.
+
+Layout of a bucket of ``n`` float32 elements over ``N`` ranks: the bucket is
+padded (conceptually: nothing is allocated) to ``N * m`` elements with
+``m = 8 * ceil(n / (8 N))``, so each of the N chunks packs into a whole number
+of bytes. Chunk j is ``[j*m, (j+1)*m)``; rank j is its server. Only the first
+``n`` elements are real: padding is never summed, never stored in a residual,
+and packs as bit 1.
+"""
+
+import numpy as np
+
+from .base import BucketState
+
+
+def chunk_numel(numel, world_size):
+    """Elements per chunk ``m = 8 * ceil(numel / (8 * world_size))`` (padding included)."""
+    return 8 * -(-int(numel) // (8 * int(world_size)))
+
+
+def owned_range(numel, world_size, rank):
+    """``(lo, hi)``: the real elements of chunk ``rank`` (empty if it is all padding)."""
+    m = chunk_numel(numel, world_size)
+    lo = min(rank * m, numel)
+    return lo, min(lo + m, numel)
+
+
+def valid_counts(numel, world_size):
+    """Real (unpadded) element count of each chunk, as an int64 array of length N."""
+    m = chunk_numel(numel, world_size)
+    return np.clip(numel - np.arange(world_size, dtype=np.int64) * m, 0, m)
+
+
+class OneBitState(BucketState):
+    """Residuals of one bucket on one rank, plus the number of steps done.
+
+    ``worker_residual`` (``numel`` float32): what this rank's 1-bit encoding of
+    the whole bucket has not yet delivered. ``server_residual`` (the real
+    elements of chunk ``rank``): the same for this rank's server re-encoding.
+    ``step`` counts encodes, warm-up steps included.
+
+    Residuals are per rank and per world size: save one state dict per rank.
+    """
+
+    __slots__ = ("step", "worker_residual", "server_residual")
+    kind = "onebit"
+
+    def __init__(self, name, numel, world_size, rank):
+        super().__init__(name, numel, world_size, rank)
+        lo, hi = owned_range(self.numel, self.world_size, self.rank)
+        self.step = 0
+        self.worker_residual = np.zeros(self.numel, dtype=np.float32)
+        self.server_residual = np.zeros(hi - lo, dtype=np.float32)
+
+    def __repr__(self):
+        return f"{super().__repr__()[:-1]}, step={self.step})"
+
+    def state_dict(self):
+        state = super().state_dict()
+        state["step"] = self.step
+        state["worker_residual"] = self.worker_residual.copy()
+        state["server_residual"] = self.server_residual.copy()
+        return state
+
+    def load_state_dict(self, state):
+        """Restore from :meth:`state_dict` output (arrays may be torch CPU tensors)."""
+        super().load_state_dict(state)
+        arrays = {}
+        for key in ("worker_residual", "server_residual"):
+            if key not in state:
+                raise KeyError(f"bucket {self.name!r}: state dict has no {key!r} entry")
+            value = np.asarray(state[key], dtype=np.float32)
+            expected = getattr(self, key).shape
+            if value.shape != expected:
+                raise ValueError(
+                    f"bucket {self.name!r}: {key} in the checkpoint has shape {value.shape}, "
+                    f"expected {expected}"
+                )
+            arrays[key] = value
+        step = int(state.get("step", -1))
+        if step < 0:
+            raise ValueError(
+                f"bucket {self.name!r}: checkpoint step must be >= 0, got {state.get('step')!r}"
+            )
+        self.worker_residual[:] = arrays["worker_residual"]
+        self.server_residual[:] = arrays["server_residual"]
+        self.step = step
