@@ -68,6 +68,8 @@ class _Runtime:
         self.engine = Engine(self.comm, MPI, mode, self.oversubscribed)
         self._tmp = {}
         self._staging = {}
+        self._scratch = {}
+        self._compression_states = {}
 
     # reusable temporaries, one per (kind, dtype): operations never run concurrently
     def tmp(self, buf, nelem):
@@ -77,6 +79,25 @@ class _Runtime:
             t = buf.ops.alloc(nelem)
             self._tmp[key] = t
         return t
+
+    def scratch(self, purpose: str, n: int, dtype):
+        """A reusable host array of at least ``n`` elements of ``dtype`` (first ``n`` returned)."""
+        import numpy as np
+        key = (purpose, np.dtype(dtype).str)
+        t = self._scratch.get(key)
+        if t is None or len(t) < n:
+            t = np.empty(max(n, 1), dtype=dtype)
+            self._scratch[key] = t
+        return t[:n]
+
+    def compression_state(self, comp, buf):
+        """The compressor state kept for buffers named ``buf.name`` of this length."""
+        key = (comp.name, buf.name, buf.n)
+        st = self._compression_states.get(key)
+        if st is None:
+            st = comp.new_state(buf.n, self.size, self.rank, name=buf.name)
+            self._compression_states[key] = st
+        return st
 
     def staging(self, buf):
         key = buf.dtype.name

@@ -13,10 +13,11 @@ import os
 import numpy as np
 
 from ._runtime import runtime
-from .comm.buffers import as_buffer
+from .comm.buffers import HostOps, as_buffer
 from .comm.dtypes import dtype_from_code
 from .comm.engine import CommError, Handle
-from .comm.ring import RingConfig, ring_allreduce
+from .comm.ring import CompressedCodec, PlainCodec, RingConfig, ring_allreduce
+from .comm.twophase import twophase_allreduce
 
 __all__ = ["allreduce", "allreduce_async", "synchronize", "broadcast", "broadcast_async",
            "barrier", "MismatchError"]
@@ -50,8 +51,11 @@ def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int =
     names = {v: k for k, v in _KINDS.items()}
     lines = []
     for f, ranks in groups.items():
-        desc = (f"{names.get(f[0], '?')} of {f[1]} elements of {dtype_from_code(f[2])}"
-                + (f", op={_OP_NAMES.get(f[3], f[3])}" if f[0] == _KINDS["allreduce"] else f", root={f[4]}"))
+        if f[0] == _KINDS["allreduce"]:
+            tail = f", op={_OP_NAMES.get(f[3], f[3])}, compression={_COMPRESSION_NAMES.get(f[4], f[4])}"
+        else:
+            tail = f", root={f[4]}"
+        desc = f"{names.get(f[0], '?')} of {f[1]} elements of {dtype_from_code(f[2])}{tail}"
         lines.append(f"  ranks {_ranges(ranks)}: {desc}")
     raise MismatchError(
         f"rank {comm.Get_rank()}: {what} of {buf.name!r}: ranks passed different arguments to the same "
@@ -71,27 +75,64 @@ def _ranges(ranks):
     return ",".join(out)
 
 
-def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats, where):
+def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats, where, comp, state):
     comm, MPI = rt.comm, rt.MPI
     if check:
-        yield from _signature_check(comm, MPI, "allreduce", _KINDS["allreduce"], buf, op, where=where)
+        yield from _signature_check(comm, MPI, "allreduce", _KINDS["allreduce"], buf, op,
+                                    _compression_code(comp), where)
     average = op == _OPS["avg"]
-    seg = max(1, _cfg.segment_bytes // buf.dtype.itemsize)
+    size = rt.size
+    if comp is not None and comp.collective == "two_phase":
+        if state is None:
+            state = rt.compression_state(comp, buf)
+        yield from twophase_allreduce(comm, MPI, buf.data, comp, state, tag, average, stats, where)
+        return
+    if comp is not None:
+        wire_dtype = np.dtype(comp.wire_dtype)
+        seg = max(1, _cfg.segment_bytes // wire_dtype.itemsize)
+        codec = CompressedCodec(comp, buf.data, rt.scratch("wire", buf.n, wire_dtype),
+                                1.0 / size if average else 1.0)
+        tmp = rt.scratch("wire-tmp", _cfg.window * seg, wire_dtype)
+        yield from ring_allreduce(comm, MPI, buf.n, codec, tmp, tag, _cfg, wire_dtype.itemsize,
+                                  stats, where)
+        if stats is not None:
+            stats["nonfinite"] = bool(comp.has_nonfinite(codec.wire))
+        return
+    itemsize = buf.dtype.itemsize
+    seg = max(1, _cfg.segment_bytes // itemsize)
     if buf.kind == "device" and not rt.cuda_aware:
         host = rt.staging(buf)
         buf.ops.to_host(buf.data, host)
-        hbuf = type(buf)(host, buf.n, buf.dtype, _host_ops(buf), buf.name)
-        yield from ring_allreduce(comm, MPI, hbuf, rt.tmp(hbuf, _cfg.window * seg), tag, _cfg,
-                                  average, stats, where)
+        hbuf = type(buf)(host, buf.n, buf.dtype, HostOps(buf.dtype), buf.name)
+        yield from ring_allreduce(comm, MPI, buf.n, PlainCodec(hbuf, average, size),
+                                  rt.tmp(hbuf, _cfg.window * seg), tag, _cfg, itemsize, stats, where)
         buf.ops.from_host(host, buf.data)
     else:
-        yield from ring_allreduce(comm, MPI, buf, rt.tmp(buf, _cfg.window * seg), tag, _cfg,
-                                  average, stats, where)
+        yield from ring_allreduce(comm, MPI, buf.n, PlainCodec(buf, average, size),
+                                  rt.tmp(buf, _cfg.window * seg), tag, _cfg, itemsize, stats, where)
 
 
-def _host_ops(buf):
-    from .comm.buffers import HostOps
-    return HostOps(buf.dtype)
+def _compression(compression, buf):
+    """The compressor for this call, or None for the plain ring."""
+    if compression is None:
+        return None
+    from .compress import NoCompression, get_compressor
+    comp = get_compressor(compression)
+    if isinstance(comp, NoCompression):
+        return None
+    if buf.kind != "host" or buf.dtype.name != "float32":
+        raise TypeError(f"compression={comp.name!r} needs a float32 host buffer, but {buf.name!r} is "
+                        f"{buf.dtype.name} on the {buf.kind}; compress float32 CPU tensors/arrays")
+    return comp
+
+
+_COMPRESSION_CODES = {None: 0, "fp16": 1, "bf16": 2, "onebit": 3}
+_COMPRESSION_NAMES = {v: str(k) for k, v in _COMPRESSION_CODES.items()}
+_COMPRESSION_NAMES[9] = "custom"
+
+
+def _compression_code(comp) -> int:
+    return _COMPRESSION_CODES.get(None if comp is None else comp.name, 9)
 
 
 def _parse_op(op: str, buf) -> int:
@@ -104,34 +145,39 @@ def _parse_op(op: str, buf) -> int:
 
 
 def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = True,
-                    stats: dict | None = None) -> Handle:
-    """Start an in-place ring allreduce of ``x``; returns a :class:`Handle`.
+                    stats: dict | None = None, compression=None, state=None) -> Handle:
+    """Start an in-place allreduce of ``x``; returns a :class:`Handle`.
 
     ``x``: contiguous numpy array, torch tensor (CPU or CUDA) or device array.
     ``op``: ``"sum"`` or ``"avg"``. ``check``: verify across ranks that every
-    rank passed the same length, dtype and op (one tiny extra collective).
-    ``stats``: a dict that receives ``bytes_sent``/``bytes_recv`` counts.
+    rank passed the same length, dtype, op and compression (one tiny extra
+    collective). ``stats``: a dict that receives ``bytes_sent``/``bytes_recv``
+    (and ``nonfinite`` for fp16/bf16 compression). ``compression``: ``None``,
+    ``"fp16"``, ``"bf16"``, ``"onebit"`` or a :mod:`hpcdp.compress` compressor
+    (float32 host buffers); ``state``: the per-bucket compressor state (1-bit
+    residuals), by default one kept per ``name`` and length.
     ``x`` must not be touched until the handle completes.
     """
     rt = runtime("allreduce_async()")
-    buf = as_buffer(x, name or "tensor")
-    code = _parse_op(op, buf)
-    tag = rt.engine.next_tag()
-    where = {}
-    return rt.engine.submit(_allreduce_gen(rt, buf, code, check, tag, stats, where),
-                            f"allreduce({buf.name})", x, where)
+    gen, label, where = _prepare_allreduce(rt, x, op, name, check, stats, compression, state)
+    return rt.engine.submit(gen, label, x, where)
 
 
 def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
-              stats: dict | None = None):
-    """In-place ring allreduce of ``x`` (blocking); returns ``x``. See :func:`allreduce_async`."""
+              stats: dict | None = None, compression=None, state=None):
+    """In-place allreduce of ``x`` (blocking); returns ``x``. See :func:`allreduce_async`."""
     rt = runtime("allreduce()")
+    gen, label, where = _prepare_allreduce(rt, x, op, name, check, stats, compression, state)
+    return rt.engine.run(gen, label, x, where)
+
+
+def _prepare_allreduce(rt, x, op, name, check, stats, compression, state):
     buf = as_buffer(x, name or "tensor")
     code = _parse_op(op, buf)
-    tag = rt.engine.next_tag()
+    comp = _compression(compression, buf)
     where = {}
-    return rt.engine.run(_allreduce_gen(rt, buf, code, check, tag, stats, where),
-                         f"allreduce({buf.name})", x, where)
+    gen = _allreduce_gen(rt, buf, code, check, rt.engine.next_tag(), stats, where, comp, state)
+    return gen, f"allreduce({buf.name})", where
 
 
 def synchronize(handles) -> list:

@@ -1,5 +1,5 @@
 """``hpcdp-bench SUBCOMMAND``: benchmarks that print JSON lines and always time
-the peer in the same run. Subcommands: ``allreduce``, ``overlap``."""
+the peer in the same run. Subcommands: ``allreduce``, ``overlap``, ``compress``."""
 from __future__ import annotations
 
 import sys
@@ -7,6 +7,7 @@ import sys
 _SUBCOMMANDS = {
     "allreduce": "hpcdp.cli.bench_allreduce",
     "overlap": "hpcdp.cli.bench_overlap",
+    "compress": "hpcdp.cli.bench_compress",
 }
 
 

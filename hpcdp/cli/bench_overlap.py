@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from hpcdp.comm.buffers import as_buffer
     from hpcdp.comm.engine import Engine
     from hpcdp.collectives import _cfg
-    from hpcdp.comm.ring import ring_allreduce
+    from hpcdp.comm.ring import PlainCodec, ring_allreduce
 
     hpcdp.init()
     rt = runtime()
@@ -89,7 +89,9 @@ def main(argv=None) -> int:
                     h = hpcdp.allreduce_async(x, check=False)
                     compute(units)
                 else:
-                    h = poll_engine.submit(ring_allreduce(poll_comm, MPI, buf, tmp, 7, _cfg, False), "bench", x)
+                    gen = ring_allreduce(poll_comm, MPI, buf.n, PlainCodec(buf, False, rt.size), tmp, 7,
+                                         _cfg, 4)
+                    h = poll_engine.submit(gen, "bench", x)
                     compute(units, poll_engine.progress if mode == "poll" else None)
                 tw = time.perf_counter()
                 h.wait()

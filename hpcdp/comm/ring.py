@@ -5,6 +5,10 @@
 (:mod:`hpcdp.comm.engine`) either waits on it (progress thread, blocking calls)
 or tests it (polling). The same code therefore serves every progress mode.
 
+What travels is decided by a *codec*: :class:`PlainCodec` sends the buffer
+itself and reduces in place; :class:`CompressedCodec` sends a ring compressor's
+payload (fp16/bf16) and accumulates in float32 at every step.
+
 Pipelining: each chunk is cut into segments (``segment_bytes``). In the
 scatter-reduce a received segment is added into place and forwarded at once
 (the chunk received at step ``i`` is the one sent at step ``i + 1``), so the
@@ -19,7 +23,7 @@ import functools
 
 from .schedule import RingSchedule
 
-__all__ = ["ring_allreduce", "RingConfig"]
+__all__ = ["ring_allreduce", "RingConfig", "PlainCodec", "CompressedCodec"]
 
 
 class RingConfig:
@@ -56,40 +60,113 @@ def _plan(n, size, rank, seg) -> _Plan:
     return _Plan(n, size, rank, seg)
 
 
-def ring_allreduce(comm, MPI, buf, tmp, tag: int, cfg: RingConfig, average: bool, stats=None,
-                   where=None):
-    """Generator: allreduce ``buf`` (a :class:`~hpcdp.comm.buffers.Buffer`) in place.
+class PlainCodec:
+    """No compression: the buffer's own memory travels and is reduced in place."""
 
-    ``tmp`` is a flat temporary of the same kind and dtype holding at least
-    ``cfg.window * segment`` elements. ``average`` divides by the world size
-    (owner-side for fp32/fp64: the owner divides its reduced chunk before the
-    allgather; pre-division of the whole buffer for fp16/bf16, which would
-    otherwise overflow). ``stats``, if given, is a dict whose ``bytes_sent`` and
-    ``bytes_recv`` entries are incremented. ``where``, if given, is a dict kept
-    current with ``phase``, ``step`` and the ``peer`` being waited for (read by the
-    stall watchdog).
+    __slots__ = ("ops", "data", "scale_final", "size")
+
+    def __init__(self, buf, average: bool, size: int):
+        self.ops, self.data, self.size = buf.ops, buf.data, size
+        half = buf.dtype.name in ("float16", "bfloat16")
+        # fp16/bf16 divide before the ring (a sum of N halves overflows); the rest
+        # divide once, at the owner, after the scatter-reduce
+        if average and half:
+            self.ops.scale(self.data, size)
+        self.scale_final = average and not half
+        self.ops.ready()  # the producer of the buffer (a device stream) is done before MPI reads
+
+    def single(self):
+        if self.scale_final:
+            self.ops.scale(self.data, self.size)
+
+    def first(self, lo, hi):
+        return self.data[lo:hi]
+
+    def reduce(self, lo, hi, slot, final):
+        piece = self.data[lo:hi]
+        self.ops.add(piece, slot)
+        if final and self.scale_final:
+            self.ops.scale(piece, self.size)
+        self.ops.ready()
+        return piece
+
+    def ag_target(self, lo, hi):
+        return self.data[lo:hi]
+
+    def ag_done(self, lo, hi):
+        return self.data[lo:hi]
+
+
+class CompressedCodec:
+    """A ring compressor on the wire, fp32 accumulation at every step.
+
+    Each rank keeps its float32 data; what travels is the compressor's payload,
+    held in ``wire`` (one payload element per data element). A received partial
+    sum is decoded, added to this rank's own ``x * scale`` in float32 and
+    re-encoded for the next hop (``reduce_encode``). The owner decodes its final
+    payload into its own data too, so every rank ends with the same bits.
+    """
+
+    __slots__ = ("comp", "data", "wire", "scale")
+
+    def __init__(self, comp, data, wire, scale: float):
+        self.comp, self.data, self.wire, self.scale = comp, data, wire, scale
+
+    def single(self):
+        w = self.wire
+        self.comp.encode(self.data, scale=self.scale, out=w)
+        self.comp.decode(w, self.data)
+
+    def first(self, lo, hi):
+        w = self.wire[lo:hi]
+        self.comp.encode(self.data[lo:hi], scale=self.scale, out=w)
+        return w
+
+    def reduce(self, lo, hi, slot, final):
+        w = self.wire[lo:hi]
+        self.comp.reduce_encode(slot, self.data[lo:hi], scale=self.scale, out=w)
+        if final:
+            self.comp.decode(w, self.data[lo:hi])
+        return w
+
+    def ag_target(self, lo, hi):
+        return self.wire[lo:hi]
+
+    def ag_done(self, lo, hi):
+        w = self.wire[lo:hi]
+        self.comp.decode(w, self.data[lo:hi])
+        return w
+
+
+def ring_allreduce(comm, MPI, n: int, codec, tmp, tag: int, cfg: RingConfig, itemsize: int,
+                   stats=None, where=None):
+    """Generator: allreduce ``n`` elements in place through ``codec``.
+
+    ``codec`` (:class:`PlainCodec` or :class:`CompressedCodec`) says what is sent
+    and how a received segment is folded in. ``tmp`` is a flat temporary of the
+    wire type holding at least ``cfg.window * segment`` elements; ``itemsize`` is
+    the wire element size. ``stats``, if given, is a dict whose ``bytes_sent``
+    and ``bytes_recv`` entries are incremented. ``where``, if given, is kept
+    current with ``phase``, ``step`` and the ``peer`` being waited for (read by
+    the stall watchdog).
     """
     size, rank = comm.Get_size(), comm.Get_rank()
-    ops, data, itemsize = buf.ops, buf.data, buf.dtype.itemsize
-    half = buf.dtype.name in ("float16", "bfloat16")
-    if average and half and size > 1:
-        ops.scale(data, size)
-    if size == 1 or buf.n == 0:
-        if average and not half and size > 1:
-            ops.scale(data, size)
+    if size == 1 or n == 0:
+        codec.single()
         return
     seg = max(1, cfg.segment_bytes // itemsize)
-    plan = _plan(buf.n, size, rank, seg)
+    plan = _plan(n, size, rank, seg)
     left, right = plan.left, plan.right
     BYTE = MPI.BYTE
     Irecv, Isend = comm.Irecv, comm.Isend
-    ops.ready()  # the producer of buf (a device stream) must be done before MPI reads it
+    if where is None:
+        where = {}
+    where["peer"], where["phase"] = left, "scatter-reduce"
 
     # ---- scatter-reduce -------------------------------------------------------
     incoming = plan.incoming
     nin = len(incoming)
-    window = cfg.window
-    slots = [tmp[k * seg:(k + 1) * seg] for k in range(min(window, nin))]
+    slots = [tmp[k * seg:(k + 1) * seg] for k in range(min(cfg.window, nin))]
     window = len(slots)
     recv_reqs = [None] * nin
     for m in range(window):
@@ -98,33 +175,21 @@ def ring_allreduce(comm, MPI, buf, tmp, tag: int, cfg: RingConfig, average: bool
     send_reqs_by_step = [[] for _ in range(size - 1)]
     first = send_reqs_by_step[0]
     for lo, hi in plan.first_sends:
-        first.append(Isend([data[lo:hi], BYTE], right, tag))
+        first.append(Isend([codec.first(lo, hi), BYTE], right, tag))
     last = size - 2
-    if where is None:
-        where = {}
-    where["peer"] = left
-    where["phase"] = "scatter-reduce"
     ag_sends = []  # allgather step-0 sends: the owned chunk, final as soon as reduced
     for m in range(nin):
         i, lo, hi = incoming[m]
         where["step"] = i
         yield recv_reqs[m]
         recv_reqs[m] = None
-        piece = data[lo:hi]
         slot = slots[m % window]
-        ops.add(piece, slot[:hi - lo])
+        out = codec.reduce(lo, hi, slot[:hi - lo], i == last)
         nxt = m + window
         if nxt < nin:
             _, nlo, nhi = incoming[nxt]
             recv_reqs[nxt] = Irecv([slot[:nhi - nlo], BYTE], left, tag)
-        if i < last:
-            ops.ready()
-            send_reqs_by_step[i + 1].append(Isend([piece, BYTE], right, tag))
-        else:
-            if average and not half:
-                ops.scale(piece, size)
-            ops.ready()
-            ag_sends.append(Isend([piece, BYTE], right, tag))
+        (send_reqs_by_step[i + 1] if i < last else ag_sends).append(Isend([out, BYTE], right, tag))
 
     # ---- allgather ------------------------------------------------------------
     ag_recv = plan.ag_recv
@@ -139,7 +204,7 @@ def ring_allreduce(comm, MPI, buf, tmp, tag: int, cfg: RingConfig, average: bool
             yield send_reqs_by_step[j]
             where["peer"], where["phase"] = left, "allgather"
             send_reqs_by_step[j] = []
-        posted[j] = [Irecv([data[lo:hi], BYTE], left, tag) for lo, hi in ag_recv[j]]
+        posted[j] = [Irecv([codec.ag_target(lo, hi), BYTE], left, tag) for lo, hi in ag_recv[j]]
 
     where["phase"] = "allgather"
     yield from post(0)
@@ -150,8 +215,9 @@ def ring_allreduce(comm, MPI, buf, tmp, tag: int, cfg: RingConfig, average: bool
         forward = j + 1 < steps
         for req, (lo, hi) in zip(posted[j], ag_recv[j]):
             yield req
+            out = codec.ag_done(lo, hi)
             if forward:
-                ag_sends.append(Isend([data[lo:hi], BYTE], right, tag))
+                ag_sends.append(Isend([out, BYTE], right, tag))
         posted[j] = None
     leftover = [r for step in send_reqs_by_step for r in step] + ag_sends
     if leftover:
