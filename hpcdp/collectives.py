@@ -159,16 +159,14 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     ``x`` must not be touched until the handle completes.
     """
     rt = runtime("allreduce_async()")
-    gen, label, where = _prepare_allreduce(rt, x, op, name, check, stats, compression, state)
-    return rt.engine.submit(gen, label, x, where)
+    return rt.engine.submit(*_prepare_allreduce(rt, x, op, name, check, stats, compression, state))
 
 
 def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
               stats: dict | None = None, compression=None, state=None):
     """In-place allreduce of ``x`` (blocking); returns ``x``. See :func:`allreduce_async`."""
     rt = runtime("allreduce()")
-    gen, label, where = _prepare_allreduce(rt, x, op, name, check, stats, compression, state)
-    return rt.engine.run(gen, label, x, where)
+    return rt.engine.run(*_prepare_allreduce(rt, x, op, name, check, stats, compression, state))
 
 
 def _prepare_allreduce(rt, x, op, name, check, stats, compression, state):
@@ -177,7 +175,7 @@ def _prepare_allreduce(rt, x, op, name, check, stats, compression, state):
     comp = _compression(compression, buf)
     where = {}
     gen = _allreduce_gen(rt, buf, code, check, rt.engine.next_tag(), stats, where, comp, state)
-    return gen, f"allreduce({buf.name})", where
+    return gen, f"allreduce({buf.name})", x, where
 
 
 def synchronize(handles) -> list:
@@ -211,21 +209,21 @@ def _broadcast_gen(rt, buf, root: int, where):
 def broadcast_async(x, root: int = 0, name: str | None = None) -> Handle:
     """Start an in-place broadcast of ``x`` from ``root``; returns a :class:`Handle`."""
     rt = runtime("broadcast_async()")
-    if not 0 <= root < rt.size:
-        raise ValueError(f"broadcast root {root} is not a rank of this job (size {rt.size})")
-    buf = as_buffer(x, name or "tensor")
-    where = {}
-    return rt.engine.submit(_broadcast_gen(rt, buf, root, where), f"broadcast({buf.name})", x, where)
+    return rt.engine.submit(*_prepare_broadcast(rt, x, root, name))
 
 
 def broadcast(x, root: int = 0, name: str | None = None):
     """In-place broadcast of ``x`` from ``root`` (blocking); returns ``x``."""
     rt = runtime("broadcast()")
+    return rt.engine.run(*_prepare_broadcast(rt, x, root, name))
+
+
+def _prepare_broadcast(rt, x, root, name):
     if not 0 <= root < rt.size:
         raise ValueError(f"broadcast root {root} is not a rank of this job (size {rt.size})")
     buf = as_buffer(x, name or "tensor")
     where = {}
-    return rt.engine.run(_broadcast_gen(rt, buf, root, where), f"broadcast({buf.name})", x, where)
+    return _broadcast_gen(rt, buf, root, where), f"broadcast({buf.name})", x, where
 
 
 def _barrier_gen(rt, where):
