@@ -1,0 +1,465 @@
+"""Per-rank event recorder: preallocated buffer on the hot path, HDF5 at flushes.
+
+Each rank owns one :class:`Recorder` writing ``RUN/rankNNNNN.h5``. An event is
+ten int64 slots of a preallocated buffer, written through a memoryview: no
+Python object is created per event beyond the ints the caller passes. The
+buffer goes to the file every ``flush_every`` steps, but at most once per
+``flush_interval`` seconds (a flush costs about a millisecond), and whenever it
+fills up:
+appended to chunked, resizable datasets, followed by a ``commit`` record that
+says how much of each dataset is valid, each part followed by ``File.flush()``.
+The file is written in HDF5 SWMR mode, so it stays readable at every moment:
+a rank killed mid-run leaves a file that reads up to its last flush, and a
+running job's trace can be read while it is written.
+
+The methods are thread-safe (the communication engine may record from its
+progress thread). :class:`NullRecorder` has the same methods doing nothing, so
+call sites need no ``if``. The layout is in ``docs/trace-format.md``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from importlib import metadata
+
+import h5py
+import numpy as np
+
+from .clock import ClockSample, align_clocks
+from .format import (BUCKET_DTYPE, CLOCK_DTYPE, COMMIT_FIELDS, EVENT_DTYPE, FORMAT_NAME,
+                     FORMAT_VERSION, EventKind, TraceError, parse_rank_filename, rank_filename)
+
+__all__ = ["Recorder", "NullRecorder", "open_recorder"]
+
+# Buffer columns, in this order (the hot methods index them by literal offsets):
+_COLS = ("kind", "step", "bucket", "index", "t0", "t1", "nbytes", "bytes_sent", "bytes_recv", "codec")
+_NCOLS = len(_COLS)
+_EMPTY_ROW = np.array([0, 0, -1, -1, 0, 0, 0, 0, 0, 0], dtype=np.int64)
+
+_CHUNK_ROWS = 1024  # a flush recompresses the last, partial chunk: keep it small
+_MAX_CODECS = 256  # codec ids are stored as uint8
+
+
+def _hpcdp_version() -> str:
+    try:
+        return metadata.version("hpcdp")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _json_default(obj):
+    if isinstance(obj, (np.integer, np.floating, np.bool_, np.ndarray)):
+        return obj.tolist()
+    raise TypeError(f"{type(obj).__name__} is not JSON-serializable")
+
+
+class Recorder:
+    """Records one rank's events into ``directory/rankNNNNN.h5``.
+
+    Hot-path methods take times from :meth:`now` (``time.perf_counter_ns``):
+
+    - :meth:`span` FORWARD, BACKWARD, EXPOSED_WAIT, OPTIMIZER
+    - :meth:`ready` BUCKET_READY, :meth:`comm` BUCKET_COMM, :meth:`ring` RING_STEP
+    - :meth:`step` STEP, recorded last in each step; it flushes every ``flush_every``
+      steps once ``flush_interval`` seconds have passed since the last flush (0: every
+      ``flush_every`` steps exactly).
+
+    ``level`` 1 records phases and buckets; 2 also ring steps. ``capacity`` is the
+    buffer size in events; a full buffer is flushed early, nothing is dropped.
+    """
+
+    __slots__ = ("rank", "world_size", "level", "flush_every", "run_id", "path", "_lock", "_cap",
+                 "_interval_ns", "_flushed_ns",
+                 "_buf", "_mv", "_n", "_steps_pending", "_last_step", "_n_events", "_n_flushes",
+                 "_clock_rows", "_n_clock", "_meta", "_codecs", "_meta_json", "_meta_dirty",
+                 "_buckets", "_buckets_dirty", "_closed", "_file", "_events", "_clock",
+                 "_bucket_ds", "_meta_ds", "_commit")
+    enabled = True
+    now = staticmethod(time.perf_counter_ns)
+
+    def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, *,
+                 run_id: str | None = None, level: int = 1, flush_every: int = 10,
+                 flush_interval: float = 1.0, capacity: int = 65536):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level}")
+        if flush_every < 1 or capacity < 1:
+            raise ValueError(f"flush_every and capacity must be >= 1, got {flush_every}, {capacity}")
+        if flush_interval < 0:
+            raise ValueError(f"flush_interval must be >= 0, got {flush_interval}")
+        self.rank, self.world_size, self.level = rank, world_size, level
+        self.flush_every = flush_every
+        self._interval_ns = int(flush_interval * 1e9)
+        self._flushed_ns = 0
+        self.run_id = run_id or uuid.uuid4().hex
+        self.path = os.path.join(os.fspath(directory), rank_filename(rank))
+        self._lock = threading.Lock()
+        self._cap = capacity
+        self._buf = np.tile(_EMPTY_ROW, (capacity, 1))
+        self._mv = memoryview(self._buf.reshape(-1))
+        self._n = 0
+        self._steps_pending = 0
+        self._last_step = -1
+        self._n_events = self._n_flushes = 0
+        self._clock_rows: list[tuple] = []
+        self._n_clock = 0
+        self._meta: dict = {}
+        self._codecs: list[str] = ["none"]
+        self._meta_json = self._encode_meta()
+        self._meta_dirty = True
+        self._buckets = np.zeros(0, dtype=BUCKET_DTYPE)
+        self._buckets_dirty = False
+        self._closed = False
+        try:
+            os.makedirs(os.fspath(directory), exist_ok=True)
+            self._file = h5py.File(self.path, "w", libver=("v110", "latest"), locking="best-effort")
+        except OSError as e:
+            raise TraceError(f"{self.path}: cannot create trace file: {e}") from e
+        f = self._file
+        f.attrs.update({
+            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": self.run_id,
+            "rank": rank, "world_size": world_size, "level": level, "flush_every": flush_every,
+            "flush_interval": flush_interval, "hostname": socket.gethostname(), "pid": os.getpid(),
+            "created_unix_ns": time.time_ns(), "created_perf_ns": time.perf_counter_ns(),
+            "event_kinds": [k.name for k in EventKind],
+            "hpcdp_version": _hpcdp_version(), "h5py_version": h5py.version.version,
+            "hdf5_version": h5py.version.hdf5_version,
+        })
+        gz = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
+        self._events = f.create_dataset("events", shape=(0,), maxshape=(None,), dtype=EVENT_DTYPE,
+                                        chunks=(_CHUNK_ROWS,), **gz)
+        self._clock = f.create_dataset("clock", shape=(0,), maxshape=(None,), dtype=CLOCK_DTYPE,
+                                       chunks=(64,))
+        self._bucket_ds = f.create_dataset("buckets", shape=(0,), maxshape=(None,), dtype=BUCKET_DTYPE,
+                                           chunks=(256,))
+        self._meta_ds = f.create_dataset("meta_json", shape=(0,), maxshape=(None,), dtype="u1",
+                                         chunks=(4096,), **gz)
+        self._commit = f.create_dataset("commit", data=np.zeros(len(COMMIT_FIELDS), dtype=np.int64))
+        self._commit.attrs["fields"] = list(COMMIT_FIELDS)
+        f.swmr_mode = True  # from here on: no new objects or attributes, always readable
+        self.flush()
+
+    # ---- hot path -------------------------------------------------------------
+    def span(self, kind: int, t0: int, t1: int, step: int) -> None:
+        """A phase of ``step`` from ``t0`` to ``t1`` (FORWARD, BACKWARD, EXPOSED_WAIT, OPTIMIZER)."""
+        with self._lock:
+            n = self._n
+            if n == self._cap:
+                self._flush_locked()
+                n = 0
+            o = n * 10
+            mv = self._mv
+            mv[o] = kind
+            mv[o + 1] = step
+            mv[o + 4] = t0
+            mv[o + 5] = t1
+            self._n = n + 1
+
+    def ready(self, t: int, step: int, bucket: int) -> None:
+        """Instant: every gradient of ``bucket`` is ready at ``t`` (BUCKET_READY)."""
+        with self._lock:
+            n = self._n
+            if n == self._cap:
+                self._flush_locked()
+                n = 0
+            o = n * 10
+            mv = self._mv
+            mv[o] = 3  # EventKind.BUCKET_READY
+            mv[o + 1] = step
+            mv[o + 2] = bucket
+            mv[o + 4] = t
+            mv[o + 5] = t
+            self._n = n + 1
+
+    def comm(self, t0: int, t1: int, step: int, bucket: int, nbytes: int,
+             bytes_sent: int, bytes_recv: int, codec: int = 0) -> None:
+        """``bucket``'s allreduce (BUCKET_COMM): ``nbytes`` is its payload after
+        compression, ``bytes_sent``/``bytes_recv`` this rank's wire traffic,
+        ``codec`` an id from :meth:`codec_id` (0 = "none")."""
+        with self._lock:
+            n = self._n
+            if n == self._cap:
+                self._flush_locked()
+                n = 0
+            o = n * 10
+            mv = self._mv
+            mv[o] = 4  # EventKind.BUCKET_COMM
+            mv[o + 1] = step
+            mv[o + 2] = bucket
+            mv[o + 4] = t0
+            mv[o + 5] = t1
+            mv[o + 6] = nbytes
+            mv[o + 7] = bytes_sent
+            mv[o + 8] = bytes_recv
+            mv[o + 9] = codec
+            self._n = n + 1
+
+    def ring(self, t0: int, t1: int, step: int, bucket: int, index: int,
+             nbytes: int, bytes_sent: int, bytes_recv: int) -> None:
+        """Ring step ``index`` of ``bucket``'s allreduce (RING_STEP); dropped below
+        level 2 (call sites should skip their timing when ``level < 2``)."""
+        if self.level < 2:
+            return
+        with self._lock:
+            n = self._n
+            if n == self._cap:
+                self._flush_locked()
+                n = 0
+            o = n * 10
+            mv = self._mv
+            mv[o] = 7  # EventKind.RING_STEP
+            mv[o + 1] = step
+            mv[o + 2] = bucket
+            mv[o + 3] = index
+            mv[o + 4] = t0
+            mv[o + 5] = t1
+            mv[o + 6] = nbytes
+            mv[o + 7] = bytes_sent
+            mv[o + 8] = bytes_recv
+            self._n = n + 1
+
+    def step(self, t0: int, t1: int, step: int) -> None:
+        """The whole of ``step`` (STEP), recorded after its last event; flushes to
+        the file every ``flush_every`` steps."""
+        with self._lock:
+            n = self._n
+            if n == self._cap:
+                self._flush_locked()
+                n = 0
+            o = n * 10
+            mv = self._mv
+            mv[o] = 0  # EventKind.STEP
+            mv[o + 1] = step
+            mv[o + 4] = t0
+            mv[o + 5] = t1
+            self._n = n + 1
+            self._last_step = step
+            self._steps_pending += 1
+            if (self._steps_pending >= self.flush_every
+                    and time.perf_counter_ns() - self._flushed_ns >= self._interval_ns):
+                self._flush_locked()
+
+    # ---- setup (not hot) ------------------------------------------------------
+    def set_meta(self, **items) -> None:
+        """Merge JSON-serializable run metadata (parameter_count, compression,
+        config, ...); written at the next flush."""
+        with self._lock:
+            merged = {**self._meta, **items}
+            try:
+                encoded = self._encode_meta(merged)
+            except (TypeError, ValueError) as e:
+                raise TraceError(f"{self.path}: metadata is not JSON-serializable: {e}") from e
+            self._meta, self._meta_json, self._meta_dirty = merged, encoded, True
+
+    def set_buckets(self, nbytes, nparams) -> None:
+        """The bucket layout: bucket i holds ``nparams[i]`` parameters, ``nbytes[i]``
+        gradient bytes (before compression); replaces an earlier layout."""
+        nbytes, nparams = np.asarray(nbytes, dtype=np.int64), np.asarray(nparams, dtype=np.int64)
+        if nbytes.ndim != 1 or nbytes.shape != nparams.shape:
+            raise ValueError("nbytes and nparams must be 1-D of one length, "
+                             f"got {nbytes.shape}, {nparams.shape}")
+        b = np.zeros(len(nbytes), dtype=BUCKET_DTYPE)
+        b["nbytes"], b["nparams"] = nbytes, nparams
+        with self._lock:
+            self._buckets, self._buckets_dirty = b, True
+
+    def codec_id(self, name: str) -> int:
+        """The id to pass as ``comm(codec=...)`` for compression ``name``."""
+        with self._lock:
+            if name not in self._codecs:
+                if len(self._codecs) == _MAX_CODECS:
+                    raise TraceError(f"{self.path}: more than {_MAX_CODECS} codec names")
+                self._codecs.append(name)
+                self._meta_json, self._meta_dirty = self._encode_meta(), True
+            return self._codecs.index(name)
+
+    def add_clock(self, sample: ClockSample) -> None:
+        """Store a clock-alignment sample (from :func:`align_clocks`). Readers map
+        local times to rank 0's by interpolating between samples, so a second
+        sample at the end of a long run corrects drift."""
+        with self._lock:
+            self._clock_rows.append((sample.local_ns, sample.offset_ns, sample.rtt_ns, sample.rounds))
+
+    # ---- file -----------------------------------------------------------------
+    def flush(self) -> None:
+        """Write everything recorded so far and commit it."""
+        with self._lock:
+            self._flush_locked()
+
+    def close(self) -> None:
+        """Flush, mark the file complete and close it (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._flush_locked()
+            self._file.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _encode_meta(self, meta: dict | None = None) -> bytes:
+        doc = {"meta": self._meta if meta is None else meta, "codecs": self._codecs}
+        return json.dumps(doc, default=_json_default, allow_nan=False).encode()
+
+    def _flush_locked(self) -> None:
+        f = self._file
+        if not f:
+            raise TraceError(f"{self.path}: recorder is closed")
+        try:
+            n = self._n
+            if n:
+                rows = self._buf[:n]
+                ev = np.empty(n, dtype=EVENT_DTYPE)
+                for j, name in enumerate(_COLS):
+                    ev[name] = rows[:, j]
+                k = self._n_events
+                self._events.resize((k + n,))
+                self._events[k:] = ev
+                rows[:] = _EMPTY_ROW
+                self._n, self._n_events = 0, k + n
+            if self._clock_rows:
+                k = self._n_clock
+                rows = np.array(self._clock_rows, dtype=CLOCK_DTYPE)
+                self._clock.resize((k + len(rows),))
+                self._clock[k:] = rows
+                self._n_clock, self._clock_rows = k + len(rows), []
+            if self._buckets_dirty:
+                b = self._buckets
+                if self._bucket_ds.shape[0] < len(b):
+                    self._bucket_ds.resize((len(b),))
+                self._bucket_ds[:len(b)] = b
+                self._buckets_dirty = False
+            if self._meta_dirty:
+                m = np.frombuffer(self._meta_json, dtype=np.uint8)
+                if self._meta_ds.shape[0] < len(m):
+                    self._meta_ds.resize((len(m),))
+                self._meta_ds[:len(m)] = m
+                self._meta_dirty = False
+            f.flush()  # data first: the commit below must never point past it
+            self._n_flushes += 1
+            self._steps_pending = 0
+            self._commit[:] = np.array([self._n_events, self._n_clock, len(self._buckets),
+                                        len(self._meta_json), self._n_flushes, self._last_step,
+                                        int(self._closed)], dtype=np.int64)
+            f.flush()
+            self._flushed_ns = time.perf_counter_ns()
+        except OSError as e:
+            raise TraceError(f"{self.path}: writing the trace failed: {e}") from e
+
+
+class NullRecorder:
+    """The disabled recorder: every method does nothing (``now()`` returns 0)."""
+
+    enabled = False
+    level = 0
+    path = None
+
+    def now(self) -> int:
+        return 0
+
+    def span(self, kind, t0, t1, step) -> None:
+        pass
+
+    def ready(self, t, step, bucket) -> None:
+        pass
+
+    def comm(self, t0, t1, step, bucket, nbytes, bytes_sent, bytes_recv, codec=0) -> None:
+        pass
+
+    def ring(self, t0, t1, step, bucket, index, nbytes, bytes_sent, bytes_recv) -> None:
+        pass
+
+    def step(self, t0, t1, step) -> None:
+        pass
+
+    def set_meta(self, **items) -> None:
+        pass
+
+    def set_buckets(self, nbytes, nparams) -> None:
+        pass
+
+    def codec_id(self, name) -> int:
+        return 0
+
+    def add_clock(self, sample) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def open_recorder(comm, path: str | os.PathLike | None = None, *, level: int | None = None,
+                  flush_every: int = 10, flush_interval: float = 1.0,
+                  rounds: int = 20) -> Recorder | NullRecorder:
+    """Collective: the recorder for this rank of ``comm`` (an mpi4py communicator).
+
+    ``path`` (the run directory) defaults to ``$HPCDP_TRACE``; with neither, every
+    rank gets a :class:`NullRecorder`. ``level`` defaults to ``$HPCDP_TRACE_LEVEL``
+    or 1. All ranks must name the same directory. Rank 0 removes rank files of
+    an earlier run beyond this world size, every rank overwrites its own file;
+    then the clocks are aligned to rank 0 and MPI versions go into the metadata.
+    """
+    if path is None:
+        path = os.environ.get("HPCDP_TRACE") or None
+    rank, size = comm.Get_rank(), comm.Get_size()
+    wanted = comm.allgather(None if path is None else os.path.abspath(path))
+    if len(set(wanted)) > 1:
+        diff = next(r for r, p in enumerate(wanted) if p != wanted[0])
+        raise TraceError(f"ranks disagree on the trace directory: rank 0 has {wanted[0]!r}, "
+                         f"rank {diff} has {wanted[diff]!r}")
+    if path is None:
+        return NullRecorder()
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(path, exist_ok=True)
+            for name in os.listdir(path):
+                r = parse_rank_filename(name)
+                if r is not None and r >= size:
+                    os.remove(os.path.join(path, name))
+        except OSError as e:
+            error = f"{path}: cannot prepare the trace directory: {e}"
+    run_id, error = comm.bcast((uuid.uuid4().hex, error) if rank == 0 else None, root=0)
+    if error:
+        raise TraceError(error)
+    rec = error = None
+    try:  # every error below is raised on every rank, so none is left waiting in a collective
+        if level is None:
+            env = os.environ.get("HPCDP_TRACE_LEVEL", "1")
+            if env not in ("1", "2"):
+                raise ValueError(f"HPCDP_TRACE_LEVEL must be 1 or 2, got {env!r}")
+            level = int(env)
+        rec = Recorder(path, rank, size, run_id=run_id, level=level, flush_every=flush_every,
+                       flush_interval=flush_interval)
+    except (TraceError, ValueError) as e:
+        error = f"rank {rank}: {e}"
+    errors = [e for e in comm.allgather(error) if e]
+    if errors:
+        if rec is not None:
+            rec.close()
+        more = f" (and {len(errors) - 3} more ranks)" if len(errors) > 3 else ""
+        raise TraceError("; ".join(errors[:3]) + more)
+    rec.add_clock(align_clocks(comm, rounds=rounds))
+    import mpi4py  # the caller already runs MPI; imported here, not at module import
+    from mpi4py import MPI
+    rec.set_meta(mpi_version=".".join(map(str, MPI.Get_version())),
+                 mpi_library=MPI.Get_library_version().strip(), mpi4py_version=mpi4py.__version__)
+    return rec

@@ -1,0 +1,526 @@
+"""Tracing: recorder, file format, reader, summary figures, Chrome export, CLI.
+
+The synthetic run below is written with the Recorder itself, with chosen times;
+the expected summary figures are worked out by hand from its construction.
+"""
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcdp.trace import (ClockSample, EventKind as K, NullRecorder, Recorder, TraceError,
+                         align_clocks, load, summarize)
+from hpcdp.trace.chrome import COMM_TID, COMPUTE_TID, write_chrome
+from hpcdp.trace.cli import main
+from hpcdp.trace.format import COMMIT_FIELDS
+
+pytestmark = pytest.mark.timeout(120)
+
+OFFSET = {0: 0, 1: 1000}          # rank 1's clock is 1000 ns behind rank 0's
+LAYOUT = [1000, 3000]             # bucket bytes before compression
+PAYLOAD = [500, 1500]             # after fp16 compression: ratio 0.5
+
+
+def fwd_ns(rank, step):
+    return 10_000 + 1_000 * step + 500 * rank
+
+
+def opt_ns(rank):
+    return 4_000 + 2_000 * rank
+
+
+def other_ns(rank, step):
+    return 5_000 if (rank, step) == (0, 2) else 1_000
+
+
+def write_synthetic(run, steps=3, level=1):
+    """Two ranks; per step (rank 0 clock, relative to step start): forward [0, F],
+    backward [F, F+20000], bucket 1 ready F+8000 and sent [F+9000, F+21000],
+    bucket 0 ready F+20000 and sent [F+20000, F+26000] (the transfers overlap by
+    1000 ns: communication = 17000), exposed wait [F+20000, F+26000],
+    optimizer [F+26000, F+26000+O], step ends `other` later."""
+    for rank in (0, 1):
+        with Recorder(run, rank, 2, run_id="synthetic", level=level, flush_every=2) as rec:
+            rec.add_clock(ClockSample(local_ns=0, offset_ns=OFFSET[rank], rtt_ns=40, rounds=5))
+            rec.set_buckets(LAYOUT, [1, 2])
+            rec.set_meta(compression="fp16", parameter_count=2000, config={"lr": 0.1})
+            fp16 = rec.codec_id("fp16")
+            for s in range(steps):
+                b = s * 100_000 - OFFSET[rank]  # local clock
+                f, o = fwd_ns(rank, s), opt_ns(rank)
+                rec.span(K.FORWARD, b, b + f, s)
+                rec.ready(b + f + 8_000, s, 1)
+                rec.comm(b + f + 9_000, b + f + 21_000, s, 1, PAYLOAD[1], PAYLOAD[1], PAYLOAD[1], fp16)
+                if level >= 2:
+                    rec.ring(b + f + 9_000, b + f + 15_000, s, 1, 0, 750, 750, 750)
+                    rec.ring(b + f + 15_000, b + f + 21_000, s, 1, 1, 750, 750, 750)
+                rec.span(K.BACKWARD, b + f, b + f + 20_000, s)
+                rec.ready(b + f + 20_000, s, 0)
+                rec.comm(b + f + 20_000, b + f + 26_000, s, 0, PAYLOAD[0], PAYLOAD[0], PAYLOAD[0], fp16)
+                rec.span(K.EXPOSED_WAIT, b + f + 20_000, b + f + 26_000, s)
+                rec.span(K.OPTIMIZER, b + f + 26_000, b + f + 26_000 + o, s)
+                rec.step(b, b + f + 26_000 + o + other_ns(rank, s), s)
+    return run
+
+
+@pytest.fixture
+def run(tmp_path):
+    return write_synthetic(str(tmp_path / "run"))
+
+
+def lin_pct(values, q):
+    """Percentile by linear interpolation between order statistics (numpy's default)."""
+    v = sorted(values)
+    pos = q / 100 * (len(v) - 1)
+    lo = int(pos)
+    return v[lo] + (pos - lo) * (v[min(lo + 1, len(v) - 1)] - v[lo])
+
+
+# ---- recorder and file ---------------------------------------------------------
+
+def test_file_layout_and_metadata(run):
+    with h5py.File(os.path.join(run, "rank00001.h5"), "r") as f:
+        assert f.attrs["format"] == "hpcdp-trace"
+        assert f.attrs["rank"] == 1 and f.attrs["world_size"] == 2
+        assert list(f.attrs["event_kinds"]) == [k.name for k in K]
+        commit = dict(zip(COMMIT_FIELDS, f["commit"][:]))
+        assert commit["closed"] == 1 and commit["last_step"] == 2
+        assert commit["n_events"] == f["events"].shape[0] == 3 * 9
+        assert f["buckets"]["nbytes"].tolist() == LAYOUT
+        assert f["clock"]["offset_ns"].tolist() == [1000]
+    t = load(run)
+    r1 = t.rank(1)
+    assert r1.meta == {"compression": "fp16", "parameter_count": 2000, "config": {"lr": 0.1}}
+    assert r1.codecs == ["none", "fp16"]
+    assert t.world_size == 2 and t.rank_ids == [0, 1] and t.complete
+    assert r1.offset_ns == 1000 and r1.rtt_ns == 40
+
+
+def test_events_nest_and_are_monotone(run):
+    t = load(run)
+    assert t.check() == []
+    for r in t.ranks:
+        ev = r.events
+        assert np.all(np.diff(ev["t0"]) >= 0)
+        steps = r.of_kind(K.STEP)
+        assert steps["step"].tolist() == [0, 1, 2]
+        comm = r.of_kind(K.BUCKET_COMM)
+        assert np.all(comm["t0"] <= comm["t1"])
+        # times are in rank 0's clock: both ranks start step s at s * 100000
+        assert steps["t0"].tolist() == [0, 100_000, 200_000]
+
+
+def test_merged_events_of_all_ranks(run):
+    t = load(run)
+    comm = t.events(K.BUCKET_COMM)
+    assert len(comm) == 2 * 3 * 2 and set(comm["rank"].tolist()) == {0, 1}
+    assert np.all(np.diff(comm["t0"]) >= 0)
+    # rank 1's step 0 forward is 500 ns longer, so its bucket 1 transfer starts 500 ns later
+    first = comm[:2]
+    assert first["rank"].tolist() == [0, 1] and first["t0"].tolist() == [19_000, 19_500]
+    assert len(t.events()) == 2 * 3 * 9 and t.steps().tolist() == [0, 1, 2]
+
+
+def test_bytes_add_up_to_model_times_steps_times_ratio(run):
+    t = load(run)
+    model = sum(LAYOUT)
+    for r in t.ranks:
+        payload = int(r.of_kind(K.BUCKET_COMM)["nbytes"].sum())
+        assert payload == model * 3 * 0.5
+
+
+def test_check_reports_broken_nesting(tmp_path):
+    with Recorder(tmp_path, 0, 1, level=2) as rec:
+        rec.set_buckets([10], [1])
+        rec.span(K.FORWARD, 0, 100, 0)
+        rec.span(K.BACKWARD, 90, 200, 0)                # overlaps forward
+        rec.comm(150, 260, 0, 0, 10, 10, 10)             # ends after the step
+        rec.comm(160, 170, 0, 0, 10, 10, 10)             # second transfer of bucket 0
+        rec.comm(160, 170, 0, 3, 10, 10, 10)             # bucket outside the layout
+        rec.ring(140, 180, 0, 3, 0, 5, 5, 5)             # starts before its transfer
+        rec.span(K.OPTIMIZER, 190, 240, 0)               # before backward ends
+        rec.step(0, 250, 0)
+        rec.span(K.FORWARD, 240, 300, 1)                 # step 1 starts inside step 0
+        rec.step(240, 400, 1)
+    problems = "\n".join(load(tmp_path).check())
+    for phrase in ("BACKWARD starts before FORWARD", "BUCKET_COMM lies outside its step",
+                   "bucket 0 has several transfers", "bucket 3 not in the layout",
+                   "ring step 0 of bucket 3 lies outside", "OPTIMIZER starts before",
+                   "steps 0 and 1 overlap"):
+        assert phrase in problems, problems
+
+
+def test_buffer_overflow_flushes_instead_of_dropping(tmp_path):
+    with Recorder(tmp_path, 0, 1, capacity=4, flush_every=1000) as rec:
+        for s in range(5):
+            rec.span(K.FORWARD, 10 * s, 10 * s + 5, s)
+            rec.step(10 * s, 10 * s + 9, s)
+    ev = load(tmp_path).ranks[0].events
+    assert len(ev) == 10 and ev["step"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_level_1_drops_ring_steps(tmp_path):
+    with Recorder(tmp_path / "l1", 0, 1, level=1) as rec:
+        rec.ring(0, 1, 0, 0, 0, 1, 1, 1)
+    with Recorder(tmp_path / "l2", 0, 1, level=2) as rec:
+        rec.ring(0, 1, 0, 0, 0, 1, 1, 1)
+    assert len(load(tmp_path / "l1").ranks[0].events) == 0
+    assert load(tmp_path / "l2").ranks[0].of_kind(K.RING_STEP)["index"].tolist() == [0]
+
+
+def test_null_recorder_writes_nothing(tmp_path):
+    rec = NullRecorder()
+    assert not rec.enabled and rec.level == 0 and rec.now() == 0
+    rec.span(K.FORWARD, 0, 1, 0)
+    rec.ready(0, 0, 0)
+    rec.comm(0, 1, 0, 0, 1, 1, 1, rec.codec_id("fp16"))
+    rec.ring(0, 1, 0, 0, 0, 1, 1, 1)
+    rec.step(0, 1, 0)
+    rec.set_meta(a=1)
+    rec.set_buckets([1], [1])
+    rec.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_meta_must_be_json(tmp_path):
+    with Recorder(tmp_path, 0, 1) as rec:
+        with pytest.raises(TraceError, match="not JSON-serializable"):
+            rec.set_meta(bad=object())
+        rec.set_meta(n=np.int64(3), arr=np.arange(2))
+    assert load(tmp_path).meta == {"n": 3, "arr": [0, 1]}
+
+
+def test_recorder_rejects_bad_arguments(tmp_path):
+    with pytest.raises(ValueError, match="rank 2"):
+        Recorder(tmp_path, 2, 2)
+    with pytest.raises(ValueError, match="level"):
+        Recorder(tmp_path, 0, 1, level=3)
+
+
+def test_closed_recorder_refuses_flush(tmp_path):
+    rec = Recorder(tmp_path, 0, 1)
+    rec.close()
+    rec.close()  # idempotent
+    with pytest.raises(TraceError, match="closed"):
+        rec.flush()
+
+
+def test_drift_is_interpolated_between_clock_samples(tmp_path):
+    with Recorder(tmp_path, 0, 1) as rec:
+        rec.add_clock(ClockSample(local_ns=1_000, offset_ns=100, rtt_ns=1, rounds=1))
+        rec.add_clock(ClockSample(local_ns=3_000, offset_ns=300, rtt_ns=1, rounds=1))
+        rec.span(K.FORWARD, 0, 2_000, 0)      # before the first sample: constant 100
+        rec.span(K.OPTIMIZER, 2_500, 4_000, 0)  # 250 in between, 300 after the last
+    ev = load(tmp_path).ranks[0].events
+    assert ev["t0"].tolist() == [100, 2_750] and ev["t1"].tolist() == [2_200, 4_300]
+
+
+class FakeRank1Comm:
+    """Rank 1 of 2, whose rank 0 peer runs `offset` ns ahead and answers each ping
+    after the given one-way delays (local clock advances only through them)."""
+
+    def __init__(self, offset, delays):
+        self.offset, self.delays, self.now = offset, list(delays), 0
+        self.freed = False
+
+    def clock(self):
+        return self.now
+
+    def Dup(self):
+        return self
+
+    def Free(self):
+        self.freed = True
+
+    def Get_rank(self):
+        return 1
+
+    def Get_size(self):
+        return 2
+
+    def Send(self, buf, dest, tag):
+        out, back = self.delays.pop(0)
+        self.now += out
+        self.answer = self.now + self.offset  # rank 0 reads its clock on arrival
+        self.now += back
+
+    def Recv(self, buf, source, tag):
+        buf[0] = self.answer
+
+
+def test_align_clocks_keeps_the_min_rtt_ping():
+    comm = FakeRank1Comm(offset=5_000, delays=[(300, 100), (40, 20), (10, 500)])
+    s = align_clocks(comm, rounds=3, clock=comm.clock)
+    # second ping: sent at 400, answered at 440 + 5000, back at 460 -> rtt 60,
+    # offset 5440 - (400 + 460) / 2 = 5010, within rtt / 2 of the true 5000
+    assert (s.rtt_ns, s.offset_ns, s.local_ns, s.rounds) == (60, 5_010, 430, 3)
+    assert abs(s.offset_ns - 5_000) <= s.rtt_ns / 2 and comm.freed
+
+
+# ---- summary ------------------------------------------------------------------
+
+def test_summary_matches_hand_computation(run):
+    s = summarize(load(run))
+    step = {(r, k): fwd_ns(r, k) + 26_000 + opt_ns(r) + other_ns(r, k) for r in (0, 1) for k in range(3)}
+    # rank 0: 41000, 42000, 47000; rank 1: 43500, 44500, 45500
+    assert [step[0, k] for k in range(3)] == [41_000, 42_000, 47_000]
+    st = s.stats("step")
+    assert st["mean"][0] == pytest.approx(130_000 / 3)
+    assert st["p50"].tolist() == [42_000, 44_500]
+    assert st["p99"][0] == pytest.approx(42_000 + 0.98 * 5_000)
+    every = sorted(step.values())
+    assert st["all"]["mean"] == pytest.approx(sum(every) / 6)
+    assert st["all"]["p50"] == pytest.approx((43_500 + 44_500) / 2)
+    assert st["all"]["p99"] == pytest.approx(lin_pct(every, 99)) == pytest.approx(45_500 + 0.95 * 1_500)
+
+    assert s.phases["communication"].tolist() == [[17_000] * 3] * 2  # union, not 18000
+    assert s.phases["exposed"].tolist() == [[6_000] * 3] * 2
+    assert s.hidden_share == pytest.approx(1 - 6_000 / 17_000)
+    assert s.phases["compute"][1].tolist() == [fwd_ns(1, k) + 20_000 + opt_ns(1) for k in range(3)]
+    assert s.phases["other"][0].tolist() == [1_000, 1_000, 5_000]
+
+    b = s.buckets
+    assert b["bucket"].tolist() == [0, 1] and b["layout_bytes"].tolist() == LAYOUT
+    assert b["transfers"].tolist() == [6, 6] and b["payload_bytes"].tolist() == PAYLOAD
+    # 2 (n-1)/n = 1 for n = 2: bytes / time
+    assert b["busbw"][0] == pytest.approx(500 / 6_000e-9)
+    assert b["busbw"][1] == pytest.approx(1500 / 12_000e-9)
+    assert s.busbw == pytest.approx(6 * 2000 / (6 * 18_000e-9))
+    assert s.per_step("payload") == 2000 and s.model_bytes == 4000
+    assert s.compression_ratio == pytest.approx(0.5)
+
+    # step ends (rank 0 clock) minus step start: rank 1 is later except at step 2
+    assert s.slowest_rank.tolist() == [1, 1, 0]
+    assert s.lag_ns.tolist() == [2_500, 2_500, 1_500]
+
+
+def test_summary_skip_and_json(run):
+    s = summarize(load(run), skip=1)
+    assert s.steps.tolist() == [1, 2]
+    d = json.loads(json.dumps(s.to_dict()))
+    assert d["phases"]["step"]["by_rank"]["mean"] == [44_500, 45_000]
+    assert d["steps"] == 2 and d["slowest_rank"] == [1, 0]
+
+
+def test_summary_of_a_single_rank_without_communication(tmp_path):
+    with Recorder(tmp_path, 0, 1) as rec:
+        rec.span(K.FORWARD, 0, 10, 0)
+        rec.step(0, 20, 0)
+    s = summarize(load(tmp_path))
+    assert math.isnan(s.hidden_share) and math.isnan(s.busbw)
+    assert s.phases["communication"].tolist() == [[0.0]]
+    assert s.phases["other"].tolist() == [[10.0]]
+
+
+# ---- errors ---------------------------------------------------------------------
+
+def test_truncated_file_is_reported(run, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    src = os.path.join(run, "rank00000.h5")
+    data = open(src, "rb").read()
+    (bad / "rank00000.h5").write_bytes(data[: len(data) // 2])
+    with pytest.raises(TraceError, match=r"rank00000\.h5: cannot read the HDF5 file \(truncated"):
+        load(bad)
+
+
+def test_foreign_files_are_reported(tmp_path):
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "rank00000.h5").write_text("hello")
+    with pytest.raises(TraceError, match=r"rank00000\.h5: not an HDF5 file"):
+        load(tmp_path / "text")
+    with h5py.File(tmp_path / "other.h5", "w") as f:
+        f["x"] = np.arange(3)
+    with pytest.raises(TraceError, match=r"other\.h5: not an hpcdp trace"):
+        load(tmp_path / "other.h5")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TraceError, match="no rank files"):
+        load(tmp_path / "empty")
+    with pytest.raises(TraceError, match="no such file"):
+        load(tmp_path / "nowhere")
+
+
+def test_newer_format_version_is_refused(run):
+    path = os.path.join(run, "rank00000.h5")
+    with h5py.File(path, "r+") as f:
+        f.attrs["format_version"] = 99
+    with pytest.raises(TraceError, match="newer hpcdp"):
+        load(run)
+
+
+def test_missing_and_stale_rank_files_are_reported(run, tmp_path):
+    part = tmp_path / "part"
+    part.mkdir()
+    shutil.copy(os.path.join(run, "rank00000.h5"), part)
+    with pytest.raises(TraceError, match=r"no file for rank\(s\) 1"):
+        load(part)
+    assert load(part / "rank00000.h5").rank_ids == [0]  # one file alone is fine
+    with Recorder(part, 1, 2, run_id="another") as rec:
+        rec.step(0, 1, 0)
+    with pytest.raises(TraceError, match="another run"):
+        load(part)
+
+
+KILLED_WRITER = textwrap.dedent("""
+    import sys
+    from hpcdp.trace import Recorder, EventKind as K
+    rec = Recorder(sys.argv[1], 0, 1, flush_every=2, flush_interval=0)
+    rec.set_buckets([64, 64], [1, 1])
+    step = 0
+    while True:
+        t = rec.now()
+        rec.span(K.FORWARD, t, rec.now(), step)
+        rec.span(K.BACKWARD, rec.now(), rec.now(), step)
+        for b in (0, 1):
+            rec.comm(rec.now(), rec.now(), step, b, 64, 64, 64)
+        rec.span(K.EXPOSED_WAIT, rec.now(), rec.now(), step)
+        rec.span(K.OPTIMIZER, rec.now(), rec.now(), step)
+        rec.step(t, rec.now(), step)
+        if step == 5:
+            print("flushed", flush=True)
+        step += 1
+""")
+
+
+def test_killed_writer_leaves_a_readable_file(tmp_path):
+    run = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, run], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"flushed"  # steps 0..5 are committed
+        live = load(run)  # readable while it is being written
+        assert not live.complete and live.ranks[0].last_step >= 5
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    t = load(run)
+    r = t.ranks[0]
+    assert not t.complete and r.last_step >= 5
+    assert t.check() == []
+    steps = r.of_kind(K.STEP)["step"]
+    assert steps.tolist() == list(range(r.last_step + 1))
+    # every committed step is whole: 7 events each
+    assert len(r.events) == 7 * (r.last_step + 1)
+    # a killed writer's file cut short (a partial copy) is reported, not retried for minutes
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    data = open(os.path.join(run, "rank00000.h5"), "rb").read()
+    (cut / "rank00000.h5").write_bytes(data[: len(data) // 2])
+    with pytest.raises(TraceError, match=r"rank00000\.h5: truncated file"):
+        load(cut)
+
+
+# ---- chrome -----------------------------------------------------------------------
+
+def test_chrome_json_has_the_required_fields(tmp_path):
+    run = write_synthetic(str(tmp_path / "run"), level=2)
+    out = tmp_path / "trace.json"
+    with open(out, "w") as f:
+        n = write_chrome(load(run), f)
+    doc = json.loads(out.read_text())
+    events = doc["traceEvents"]
+    assert len(events) == n == 2 * 4 + 2 * 3 * 11
+    names = {(e["pid"], e.get("tid"), e["args"]["name"])
+             for e in events if e["ph"] == "M" and "name" in e["args"]}
+    assert (0, None, "rank 0 (" + load(run).rank(0).hostname + ")") in names
+    assert {(1, COMPUTE_TID, "compute"), (1, COMM_TID, "communication")} <= names
+    spans = [e for e in events if e["ph"] == "X"]
+    for e in spans:
+        assert {"name", "ph", "ts", "dur", "pid", "tid", "args"} <= set(e)
+        assert e["dur"] >= 0
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert {e["tid"] for e in spans if e["cat"] == "compute"} == {COMPUTE_TID}
+    assert {e["tid"] for e in spans if e["cat"] == "comm"} == {COMM_TID}
+    # aligned to rank 0, microseconds: rank 1's step 1 forward starts at 100 us and lasts 11.5 us
+    fwd = [e for e in spans if e["name"] == "forward" and e["pid"] == 1 and e["args"]["step"] == 1]
+    assert len(fwd) == 1 and fwd[0]["ts"] == 100.0 and fwd[0]["dur"] == 11.5
+    b1 = [e for e in spans if e["name"] == "bucket 1"][0]
+    assert b1["args"] == {"step": 0, "bucket": 1, "bytes": 1500, "bytes_sent": 1500,
+                          "bytes_recv": 1500, "compression": "fp16"}
+    assert len([e for e in spans if e["name"].startswith("ring 1.")]) == 2 * 3 * 2
+    assert [e for e in events if e["ph"] == "i"][0]["name"] == "bucket 1 ready"
+
+
+def test_chrome_escapes_codec_names(tmp_path):
+    with Recorder(tmp_path / "run", 0, 1) as rec:
+        c = rec.codec_id('top-k "1%" \\ v2')
+        rec.comm(0, 10, 0, 0, 8, 8, 8, c)
+        rec.step(0, 20, 0)
+    out = tmp_path / "t.json"
+    with open(out, "w") as f:
+        write_chrome(load(tmp_path / "run"), f)
+    comm = [e for e in json.loads(out.read_text())["traceEvents"] if e.get("cat") == "comm"]
+    assert comm[0]["args"]["compression"] == 'top-k "1%" \\ v2'
+
+
+def test_chrome_step_range(run, tmp_path):
+    out = tmp_path / "t.json"
+    assert main(["chrome", run, "-o", str(out), "--steps", "1:2"]) == 0
+    steps = {e["args"]["step"] for e in json.loads(out.read_text())["traceEvents"] if e["ph"] != "M"}
+    assert steps == {1}
+
+
+# ---- command line -----------------------------------------------------------------
+
+def test_cli_summary(run, capsys):
+    assert main(["summary", run]) == 0
+    out = capsys.readouterr().out
+    assert "2 of 2 ranks" in out and "compression fp16" in out
+    assert "hidden by overlap 64.7 %" in out
+    assert "slowest rank per step: rank 1 in 2, rank 0 in 1 of 3 steps" in out
+    assert main(["summary", run, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["hidden_share"] == pytest.approx(11 / 17)
+
+
+def test_cli_summary_notes_an_incomplete_run(tmp_path, capsys):
+    rec = Recorder(tmp_path, 0, 1, flush_every=1, flush_interval=0)
+    rec.step(0, 10, 0)
+    assert main(["summary", str(tmp_path)]) == 0
+    assert "note: incomplete: rank(s) 0 did not close" in capsys.readouterr().out
+    rec.close()
+
+
+def test_cli_compare(run, tmp_path, capsys):
+    other = write_synthetic(str(tmp_path / "short"), steps=2)
+    assert main(["compare", run, other, "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["steps"]["a"] == 3 and rows["steps"]["b"] == 2
+    assert rows["step ms"]["b"] == pytest.approx((41_000 + 42_000 + 43_500 + 44_500) / 4 / 1e6)
+    assert main(["compare", run, other]) == 0
+    assert "B/A" in capsys.readouterr().out
+
+
+def test_cli_scaling_table_needs_no_matplotlib(run, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    single = str(tmp_path / "one")
+    with Recorder(single, 0, 1) as rec:
+        rec.step(0, 20_000, 0)
+    assert main(["scaling", run, single]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[0] == "1" and lines[2].split()[0] == "2"
+    assert main(["plot", run, "-o", str(tmp_path / "x.png")]) == 1
+    assert "plots need matplotlib" in capsys.readouterr().err
+
+
+def test_cli_reports_errors(tmp_path, capsys):
+    assert main(["summary", str(tmp_path / "missing")]) == 1
+    assert "missing: no such file" in capsys.readouterr().err
+
+
+def test_cli_plots(run, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "timeline.png"
+    assert main(["plot", run, "-o", str(png), "--steps", "0:2"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = tmp_path / "scaling.png"
+    assert main(["scaling", run, run, "-o", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
