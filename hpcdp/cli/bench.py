@@ -6,6 +6,7 @@ import sys
 
 _SUBCOMMANDS = {
     "allreduce": "hpcdp.cli.bench_allreduce",
+    "train": "hpcdp.cli.bench_train",
     "overlap": "hpcdp.cli.bench_overlap",
     "compress": "hpcdp.cli.bench_compress",
 }

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
 import numpy as np
+
+from ._gloo import gloo_group
 
 
 def _sizes(spec: str) -> list[int]:
@@ -47,17 +48,6 @@ def _max(comm):
     return MPI.MAX
 
 
-def _gloo_group(rt):
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        port = rt.comm.bcast(29500 + os.getpid() % 2000 if rt.rank == 0 else None, root=0)
-        addr = rt.comm.bcast(rt.hostname if rt.rank == 0 else None, root=0)
-        os.environ.setdefault("MASTER_ADDR", addr if rt.size > 1 else "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-        dist.init_process_group("gloo", rank=rt.rank, world_size=rt.size)
-    return dist
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="hpcdp-bench allreduce", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,7 +67,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
     rt = runtime()
     comm, n = rt.comm, rt.size
-    dist = _gloo_group(rt) if args.gloo else None
+    dist = gloo_group(rt) if args.gloo else None
     check = not args.no_check
     factor = 2 * (n - 1) / n if n > 1 else 1.0
 

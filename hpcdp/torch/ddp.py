@@ -1,0 +1,132 @@
+"""``hpcdp.DistributedDataParallel``: wrap a model in one line, get averaged
+gradients in ``.grad`` when ``loss.backward()`` returns.
+
+::
+
+    import hpcdp
+    model = hpcdp.DistributedDataParallel(model)   # calls hpcdp.init() if needed
+
+Every rank runs the same script on its share of the global batch; the
+gradients are averaged across ranks by hpcdp's own ring, bucket by bucket,
+while backward is still computing (see :mod:`hpcdp.torch.reducer`).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .._runtime import init, is_initialized, runtime
+from .functions import broadcast_tensors, check_same_across_ranks, tensor_signature
+from .reducer import Reducer
+
+__all__ = ["DistributedDataParallel"]
+
+_OWNER = "hpcdp.DistributedDataParallel"
+
+
+def check_not_wired(compression, trace, owner: str) -> None:
+    if compression is not None:
+        raise ValueError(f"{owner}: compression={compression!r} is not supported yet; "
+                         "pass compression=None (full-precision averaging)")
+    if trace is not None:
+        raise ValueError(f"{owner}: trace={trace!r} is not supported yet; pass trace=None")
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Data-parallel wrapper: averaged gradients, identical replicas.
+
+    ``bucket_cap_mb`` / ``first_bucket_mb``: fusion bucket sizes in MiB (the
+    first bucket, whose gradients are ready first, is small so communication
+    starts early). ``overlap``: start each bucket's allreduce as soon as it is
+    full (``False``: all of them after backward, for comparison).
+    ``find_unused_parameters``: parameters that get no gradient on a rank count
+    as zeros (without it, that is an error naming them, on every rank).
+    ``broadcast_buffers``: copy rank 0's buffers (BatchNorm statistics) to every
+    rank before each forward. ``gradient_as_bucket_view``: ``.grad`` tensors
+    are views into the flat buckets (saves a copy per step). ``compression``
+    and ``trace`` must be ``None`` for now.
+
+    The constructor checks that every rank built the same model (names,
+    shapes, dtypes; the error names the first difference and the ranks) and
+    copies rank 0's parameters and buffers to every rank.
+    """
+
+    def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
+                 overlap: bool = True, compression=None, find_unused_parameters: bool = False,
+                 broadcast_buffers: bool = True, trace=None, gradient_as_bucket_view: bool = True):
+        super().__init__()
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"{_OWNER} wraps a torch.nn.Module, got {type(module).__name__}")
+        check_not_wired(compression, trace, _OWNER)
+        if not is_initialized():
+            init()
+        rt = runtime(_OWNER)
+        self.module = module
+        self.compression = compression
+        self.trace = trace
+        self.overlap = overlap
+        self.find_unused_parameters = find_unused_parameters
+        self.broadcast_buffers = broadcast_buffers
+        self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_mb = first_bucket_mb
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self._require_sync = True
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        buffers = list(module.named_buffers())
+        devices = {t.device for _, t in named + frozen + buffers}
+        if len(devices) > 1:
+            raise ValueError(f"{_OWNER}: the module's tensors are on several devices "
+                             f"({', '.join(sorted(map(str, devices)))}); move the whole module to "
+                             "one device first")
+        signature = ([tensor_signature("parameter", n, p) for n, p in named]
+                     + [tensor_signature("frozen parameter", n, p) for n, p in frozen]
+                     + [tensor_signature("buffer", n, b) for n, b in buffers])
+        check_same_across_ranks(rt, signature, _OWNER, "models")
+        broadcast_tensors([p for _, p in named + frozen] + [b for _, b in buffers], root=0)
+        self._synced_buffers = [b for _, b in buffers]
+        self._size = rt.size
+        self.reducer = Reducer(named, _OWNER, bucket_cap_mb=bucket_cap_mb,
+                               first_bucket_mb=first_bucket_mb, overlap=overlap,
+                               find_unused=find_unused_parameters, as_view=gradient_as_bucket_view,
+                               should_sync=lambda: self._require_sync, wait_at_end=True)
+
+    def forward(self, *args, **kwargs):
+        self.reducer.new_iteration()
+        if self.broadcast_buffers and self._synced_buffers and self._size > 1:
+            broadcast_tensors(self._synced_buffers, root=0)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally; the first one after
+        the block averages the accumulated sum."""
+        previous = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped module's state dict (no ``module.`` prefix)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load into the wrapped module (keys without the ``module.`` prefix)."""
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def bucket_layout(self) -> list[list[str]]:
+        """Parameter names per fusion bucket, in the order the buckets are reduced."""
+        return self.reducer.layout()
+
+    @property
+    def comm_stats(self) -> dict:
+        """Cumulative ``bytes_sent``, ``bytes_recv``, ``allreduces`` and synchronised ``iterations``."""
+        return dict(self.reducer.stats)
+
+    def extra_repr(self) -> str:
+        return (f"bucket_cap_mb={self.bucket_cap_mb}, first_bucket_mb={self.first_bucket_mb}, "
+                f"overlap={self.overlap}, find_unused_parameters={self.find_unused_parameters}, "
+                f"broadcast_buffers={self.broadcast_buffers}")

@@ -1,0 +1,146 @@
+"""``hpcdp.DistributedOptimizer``: Horovod's way of data parallelism, on hpcdp's engine.
+
+::
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = hpcdp.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    hpcdp.broadcast_parameters(model.state_dict(), root=0)
+    hpcdp.broadcast_optimizer_state(opt, root=0)
+
+Backward launches the bucketed averaging as gradients become ready (same
+reducer as :class:`~hpcdp.DistributedDataParallel`); ``step()`` waits for it,
+then applies the wrapped optimizer's update. Parameters that got no gradient
+count as zeros on that rank (Horovod's semantics); a parameter that no rank
+has a gradient for keeps ``.grad = None``.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import torch
+
+from .._runtime import init, is_initialized, runtime
+from .ddp import check_not_wired
+from .functions import check_same_across_ranks, tensor_signature
+from .reducer import Reducer
+
+__all__ = ["DistributedOptimizer"]
+
+_OWNER = "hpcdp.DistributedOptimizer"
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into a subclass of the user's optimizer class."""
+
+    def _hpcdp_setup(self, named_parameters, backward_passes_per_step, bucket_cap_mb,
+                     first_bucket_mb, overlap):
+        rt = runtime(_OWNER)
+        self._hpcdp_passes = 0
+        self._hpcdp_passes_per_step = backward_passes_per_step
+        self._hpcdp_skip_sync = False
+        check_same_across_ranks(rt, [tensor_signature("parameter", n, p) for n, p in named_parameters],
+                                _OWNER, "parameters")
+        self._hpcdp_reducer = Reducer(named_parameters, _OWNER, bucket_cap_mb=bucket_cap_mb,
+                                      first_bucket_mb=first_bucket_mb, overlap=overlap,
+                                      find_unused=True, as_view=False,
+                                      should_sync=self._hpcdp_count_pass, wait_at_end=False)
+
+    def _hpcdp_count_pass(self) -> bool:
+        self._hpcdp_passes += 1
+        if self._hpcdp_passes > self._hpcdp_passes_per_step:
+            raise RuntimeError(
+                f"{_OWNER}: gradients were computed more than backward_passes_per_step="
+                f"{self._hpcdp_passes_per_step} times before the call to step(); increase "
+                "backward_passes_per_step to accumulate gradients locally")
+        return self._hpcdp_passes == self._hpcdp_passes_per_step
+
+    def synchronize(self) -> None:
+        """Wait until the averaged gradients are in ``.grad`` (``step()`` does this itself).
+
+        After fewer backward passes than ``backward_passes_per_step``, the
+        locally accumulated gradients are averaged now.
+        """
+        reducer = self._hpcdp_reducer
+        if reducer.pending:
+            reducer.finish()
+        elif 0 < self._hpcdp_passes < self._hpcdp_passes_per_step:
+            reducer.reduce_now()
+        self._hpcdp_passes = 0
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside does not synchronise (call :meth:`synchronize` yourself first,
+        e.g. to clip the averaged gradients)."""
+        self._hpcdp_skip_sync = True
+        try:
+            yield
+        finally:
+            self._hpcdp_skip_sync = False
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError(f"{_OWNER}: step(closure) is not supported: gradients computed inside "
+                             "the closure would not be averaged across ranks")
+        if not self._hpcdp_skip_sync:
+            self.synchronize()
+        return super().step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._hpcdp_reducer.pending:
+            raise RuntimeError(
+                f"{_OWNER}: optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause a "
+                "race condition (the gradients are still being averaged in place).")
+        self._hpcdp_passes = 0
+        return super().zero_grad(set_to_none=set_to_none)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=None,
+                         backward_passes_per_step: int = 1, bucket_cap_mb: float = 25,
+                         first_bucket_mb: float = 1, overlap: bool = True):
+    """Return a distributed version of ``optimizer`` (an instance of a subclass of its class).
+
+    The result shares ``param_groups`` and ``state`` with ``optimizer``: use the
+    result from then on. ``named_parameters``: ``model.named_parameters()``, so
+    that errors can name tensors; every parameter of the optimizer must be in
+    it. ``backward_passes_per_step``: backward passes accumulated locally before
+    the average (``step()`` after fewer averages what is there).
+    ``compression`` must be ``None`` for now.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{_OWNER} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError(f"{_OWNER}: this optimizer is already distributed")
+    check_not_wired(compression, None, _OWNER)
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"{_OWNER}: backward_passes_per_step must be an integer >= 1, "
+                         f"got {backward_passes_per_step!r}")
+    if not is_initialized():
+        init()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        named = [(f"allreduce.noname.{i}", p) for i, p in enumerate(params)]
+    else:
+        named = list(named_parameters)
+        if not all(isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                   and isinstance(item[1], torch.Tensor) for item in named):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                             "usually produced by model.named_parameters()")
+        dups = sorted(n for n, c in Counter(n for n, _ in named).items() if c > 1)
+        if dups:
+            raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: "
+                             f"{', '.join(dups)}")
+        named_ids = {id(p) for _, p in named}
+        unnamed = [id(p) for p in params if id(p) not in named_ids]
+        if unnamed:
+            raise ValueError("named_parameters was specified, but one or more model parameters were "
+                             f"not named. Python object ids: {', '.join(map(str, unnamed))}")
+        wanted = {id(p) for p in params}
+        named = [(n, p) for n, p in named if id(p) in wanted]
+    named = [(n, p) for n, p in named if p.requires_grad]
+    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    dist = cls.__new__(cls)
+    dist.__dict__.update(optimizer.__dict__)
+    dist._hpcdp_setup(named, backward_passes_per_step, bucket_cap_mb, first_bucket_mb, overlap)
+    return dist

@@ -1,0 +1,358 @@
+"""Gradient averaging overlapped with backward: the machinery shared by
+:class:`~hpcdp.DistributedDataParallel` and :func:`~hpcdp.DistributedOptimizer`.
+
+Per iteration (one ``backward()``):
+
+1. A post-accumulate-grad hook on every parameter fires when its ``.grad`` is
+   final. The gradient goes into its bucket: as a view (``.grad`` becomes a
+   view into the bucket's flat buffer, so the reduced values need no copy
+   back), or copied in and out (``gradient_as_bucket_view=False``). A bucket
+   holding one large parameter is reduced in place in ``.grad`` itself.
+2. When a bucket is complete it is launched with ``hpcdp.allreduce_async``
+   (op ``avg``, no per-call check: the layout was checked once across ranks),
+   but only after every lower-numbered bucket: buckets start in the same
+   order on every rank, which the engine requires. The progress engine
+   drives the rings while backward continues.
+3. The first hook queues a callback on the autograd engine; it runs when
+   backward is done. Parameters whose hook did not fire are filled in (their
+   current ``.grad``, or zeros), the remaining buckets are launched, and the
+   owner either waits right away (DDP: averaged gradients are in ``.grad``
+   when ``backward()`` returns) or later (the optimizer, in ``step()``).
+
+The last bucket carries a small control tail that is averaged with the
+gradients at no extra cost: in strict mode the number of parameters that got
+no gradient (non-zero on any rank means: every rank raises
+:class:`UnusedParametersError`), with ``find_unused_parameters`` a presence
+flag per parameter (zero after averaging means: no rank has a gradient for
+it, and its ``.grad`` is left alone, as in single-process training).
+
+After the first synchronised iteration the buckets are laid out again in the
+order rank 0 observed the gradients arrive, broadcast so every rank agrees.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .._runtime import runtime
+from ..collectives import allreduce_async, broadcast
+from .buckets import plan_buckets
+from .errors import UnusedParametersError
+from .functions import allgather_drained
+
+__all__ = ["Reducer"]
+
+_MB = 1024 * 1024
+
+
+class _Bucket:
+    __slots__ = ("spec", "members", "flat", "views", "direct", "tail", "pending", "handle", "zeros")
+
+    def __init__(self, spec, params, tail_len: int, direct: bool):
+        self.spec = spec
+        self.members = spec.members
+        self.direct = direct
+        self.flat = None
+        self.views = ()
+        self.tail = None
+        if not direct:
+            p0 = params[self.members[0]]
+            self.flat = torch.zeros(spec.numel + tail_len, dtype=p0.dtype, device=p0.device)
+            self.views = tuple(self.flat[off:off + params[i].numel()].view(params[i].shape)
+                               for i, off in zip(self.members, spec.offsets))
+            if tail_len:
+                self.tail = self.flat[spec.numel:]
+        self.pending = len(self.members)
+        self.handle = None
+        self.zeros = None    # direct bucket whose parameter had no gradient on this rank
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+
+
+class Reducer:
+    """Buckets, hooks and the per-iteration state machine (see the module docstring).
+
+    ``should_sync()`` is asked once per backward pass (at its first hook)
+    whether this pass averages gradients. ``wait_at_end``: wait for the
+    reductions in the end-of-backward callback (DDP) instead of in
+    :meth:`finish` called by the owner (the optimizer).
+    """
+
+    def __init__(self, named_params, owner: str, *, bucket_cap_mb: float, first_bucket_mb: float,
+                 overlap: bool, find_unused: bool, as_view: bool, should_sync, wait_at_end: bool):
+        self.rt = runtime(owner)
+        self.owner = owner
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        if not self.params:
+            raise ValueError(f"{owner}: the model has no parameters that require grad")
+        if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
+            raise ValueError(f"{owner}: bucket_cap_mb and first_bucket_mb must be > 0, got "
+                             f"{bucket_cap_mb} and {first_bucket_mb}")
+        for name, p in named_params:
+            if not p.dtype.is_floating_point:
+                raise TypeError(f"{owner}: parameter {name!r} has dtype {p.dtype}; only floating "
+                                "point parameters can have averaged gradients")
+            if p.layout != torch.strided:
+                raise TypeError(f"{owner}: parameter {name!r} has layout {p.layout}; only dense "
+                                "(strided) parameters are supported")
+            owner_of = getattr(p, "_hpcdp_reducer_owner", None)
+            if owner_of is not None:
+                raise ValueError(f"{owner}: parameter {name!r} already has its gradients averaged by "
+                                 f"{owner_of}; wrap the model or the optimizer, not both")
+        self.cap_bytes = int(bucket_cap_mb * _MB)
+        self.first_cap_bytes = int(first_bucket_mb * _MB)
+        self.overlap = overlap
+        self.find_unused = find_unused
+        self.as_view = as_view
+        self.should_sync = should_sync
+        self.wait_at_end = wait_at_end
+        self.stats = {"bytes_sent": 0, "bytes_recv": 0, "allreduces": 0, "iterations": 0}
+        self._tail_len = len(self.params) if find_unused else 1
+        self._relaid_out = False
+        self._layout(list(reversed(range(len(self.params)))))
+        self._reset()
+        for i, p in enumerate(self.params):
+            p._hpcdp_reducer_owner = owner
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+
+    # -- layout ------------------------------------------------------------------
+    def _layout(self, order: list[int]) -> None:
+        params = self.params
+        specs = plan_buckets(order, [p.numel() for p in params], [p.element_size() for p in params],
+                             [(p.dtype, p.device) for p in params], self.first_cap_bytes,
+                             self.cap_bytes)
+        last = len(specs) - 1
+        self.buckets = [
+            _Bucket(s, params, self._tail_len if s.index == last else 0,
+                    direct=len(s.members) == 1 and s.index != last and params[s.members[0]].is_contiguous())
+            for s in specs]
+        self.bucket_of = [None] * len(params)
+        self.slot_of = [0] * len(params)
+        for b in self.buckets:
+            for k, i in enumerate(b.members):
+                self.bucket_of[i] = b
+                self.slot_of[i] = k
+        self.order = order
+
+    def layout(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return [[self.names[i] for i in b.members] for b in self.buckets]
+
+    def _relayout(self, seen: list[int]) -> None:
+        """Once, after the first synchronised iteration: follow rank 0's observed order."""
+        self._relaid_out = True
+        seen_set = set(seen)
+        observed = np.array(seen + [i for i in self.order if i not in seen_set], dtype=np.int64)
+        broadcast(observed, root=0, name=f"{self.owner} gradient order")
+        order = observed.tolist()
+        if order == self.order:
+            return
+        old_bucket_of, old_slot_of = self.bucket_of, self.slot_of
+        self._layout(order)
+        if not self.as_view:
+            return
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                ob, nb = old_bucket_of[i], self.bucket_of[i]
+                if ob.direct or nb.direct or p.grad is None:
+                    continue
+                if _same_memory(p.grad, ob.views[old_slot_of[i]]):
+                    view = nb.views[self.slot_of[i]]
+                    view.copy_(p.grad)
+                    p.grad = view
+
+    # -- per-iteration state -------------------------------------------------------
+    def _reset(self) -> None:
+        self._active = False      # a backward pass of ours is under way (callback queued)
+        self._sync = False        # this pass averages gradients
+        self._ready = [False] * len(self.params)
+        self._seen: list[int] = []
+        self._next = 0            # next bucket to launch
+        self._launched: list[_Bucket] = []
+        self._missing: list[int] = []
+        for b in self.buckets:
+            b.pending = len(b.members)
+            b.handle = None
+            b.zeros = None
+
+    @property
+    def pending(self) -> bool:
+        """Reductions were launched and not yet waited for."""
+        return bool(self._launched)
+
+    def new_iteration(self) -> None:
+        """Called by the owner before a forward pass: recover from an aborted backward."""
+        if self._launched:
+            for b in self._launched:
+                try:
+                    b.handle.wait()
+                except Exception:
+                    pass
+        if self._launched or self._active:
+            self._reset()
+
+    # -- hooks -----------------------------------------------------------------------
+    def _make_hook(self, i: int):
+        def hook(p):
+            self._on_grad(i, p)
+        return hook
+
+    def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        if not self._active:
+            self._begin()
+        g = p.grad
+        if g.layout != torch.strided:
+            raise TypeError(f"{self.owner}: parameter {self.names[i]!r} got a {g.layout} gradient; "
+                            "sparse gradients are not supported (use a dense embedding)")
+        b = self.bucket_of[i]
+        if not self._sync:
+            # accumulating locally (no_sync): keep the sum in the bucket view
+            if self.as_view and not b.direct:
+                self._adopt(i, p, b)
+            return
+        if self._ready[i]:
+            raise RuntimeError(f"{self.owner}: parameter {self.names[i]!r} received a gradient twice in "
+                               "one backward pass (reentrant backward, e.g. reentrant checkpointing, "
+                               "is not supported)")
+        self._ready[i] = True
+        self._seen.append(i)
+        if not b.direct:
+            self._copy_in(i, p, b)
+        b.pending -= 1
+        if b.pending == 0 and self.overlap:
+            self._launch_in_order()
+        self.rt.engine.progress()
+
+    def _begin(self) -> None:
+        sync = bool(self.should_sync())
+        self._reset()
+        self._active = True
+        self._sync = sync
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _adopt(self, i, p, b) -> None:
+        view = b.views[self.slot_of[i]]
+        if not _same_memory(p.grad, view):
+            view.copy_(p.grad)
+            p.grad = view
+
+    def _copy_in(self, i, p, b) -> None:
+        if self.as_view:
+            self._adopt(i, p, b)
+        else:
+            b.views[self.slot_of[i]].copy_(p.grad)
+
+    def _launch_in_order(self) -> None:
+        buckets = self.buckets
+        while self._next < len(buckets) and buckets[self._next].pending == 0:
+            self._launch(buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        if b.direct:
+            p = self.params[b.members[0]]
+            if b.zeros is not None:
+                t = b.zeros
+            else:
+                if not p.grad.is_contiguous():
+                    p.grad = p.grad.contiguous()
+                t = p.grad
+        else:
+            t = b.flat
+            if b.tail is not None:
+                self._fill_tail(b.tail)
+        b.handle = allreduce_async(t, op="avg", name=f"bucket{b.spec.index}", check=False,
+                                   stats=self.stats)
+        self.stats["allreduces"] += 1
+        self._launched.append(b)
+
+    def _fill_tail(self, tail: torch.Tensor) -> None:
+        if self.find_unused:
+            present = [self._ready[i] or self.params[i].grad is not None for i in range(len(self.params))]
+            tail.copy_(torch.tensor(present, dtype=tail.dtype))
+        else:
+            tail.fill_(len(self._missing))
+
+    # -- end of backward -------------------------------------------------------------------
+    def _end_of_backward(self) -> None:
+        self._active = False
+        if not self._sync:
+            return
+        self.flush()
+        if self.wait_at_end:
+            self.finish()
+
+    def flush(self) -> None:
+        """Fill in parameters that got no gradient and launch every remaining bucket."""
+        self._missing = [i for i, r in enumerate(self._ready) if not r]
+        with torch.no_grad():
+            for i in self._missing:
+                p, b = self.params[i], self.bucket_of[i]
+                if b.direct:
+                    if p.grad is None:
+                        b.zeros = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                elif p.grad is None:
+                    b.views[self.slot_of[i]].zero_()
+                else:
+                    self._copy_in(i, p, b)
+                b.pending = 0
+        self._launch_in_order()
+        self.rt.engine.progress()
+
+    def reduce_now(self) -> None:
+        """Average the current ``.grad`` of every parameter now (outside backward)."""
+        self._reset()
+        self._sync = True
+        self.flush()
+        self.finish()
+
+    def finish(self) -> None:
+        """Wait for every launched bucket (in order) and put the averages in ``.grad``."""
+        launched = self._launched
+        try:
+            for b in launched:
+                b.handle.wait()
+        except Exception:
+            self._reset()
+            raise
+        tail = self.buckets[-1].tail.tolist()
+        missing, seen = self._missing, self._seen
+        self._reset()
+        self.stats["iterations"] += 1
+        if not self.find_unused and tail[0] > 0:
+            self._raise_unused(missing)
+        present = [t > 0 for t in tail] if self.find_unused else None
+        with torch.no_grad():
+            for b in launched:
+                if b.direct:
+                    if b.zeros is not None and present[b.members[0]]:
+                        self.params[b.members[0]].grad = b.zeros
+                    continue
+                for i, view in zip(b.members, b.views):
+                    p = self.params[i]
+                    if p.grad is None:
+                        if present is not None and present[i]:
+                            p.grad = view if self.as_view else view.clone()
+                    elif not self.as_view:
+                        p.grad.copy_(view)
+        if seen and not self._relaid_out:
+            self._relayout(seen)
+
+    def _raise_unused(self, missing: list[int]) -> None:
+        names = [self.names[i] for i in missing]
+        everyone = allgather_drained(self.rt, names)
+        lines = []
+        for r, ns in enumerate(everyone):
+            shown = ", ".join(repr(n) for n in ns[:10])
+            if len(ns) > 10:
+                shown += f" and {len(ns) - 10} more"
+            lines.append(f"  rank {r}: {shown if ns else '(none)'}")
+        raise UnusedParametersError(
+            f"rank {self.rt.rank}: {self.owner}: parameters received no gradient in this backward pass:\n"
+            + "\n".join(lines) +
+            "\nEvery parameter must contribute to the loss on every rank; if some legitimately do not, "
+            "pass find_unused_parameters=True (they then count as zero gradients, averaged with the "
+            "ranks that did use them).")

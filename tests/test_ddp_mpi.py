@@ -1,0 +1,494 @@
+"""DistributedDataParallel, DistributedOptimizer and the model-level collectives
+under mpirun (np = 1, 2, 3, 4). Every assertion holds on every rank.
+
+The reference for "equals single-process training" is computed on every rank:
+the same model trained in one process on the whole global batch. Global
+batches have uneven shares (13 samples); each rank's summed loss is scaled by
+``world / global_batch`` so the averaged gradient is the global mean's.
+"""
+import contextlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import hpcdp  # noqa: E402
+from hpcdp.torch.errors import (ModelMismatchError, ReplicaMismatchError,  # noqa: E402
+                                UnusedParametersError)
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
+
+B = 13          # global batch: uneven shares at np = 2, 3, 4
+STEPS = 5
+TIGHT = dict(rtol=1e-9, atol=1e-12)
+
+
+def _share(n, size, rank):
+    base, extra = divmod(n, size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def _mlp(seed=0, widths=(10, 32, 16, 4)):
+    torch.manual_seed(seed)
+    layers = []
+    for i in range(len(widths) - 1):
+        layers.append(torch.nn.Linear(widths[i], widths[i + 1]))
+        if i < len(widths) - 2:
+            layers.append(torch.nn.Tanh())
+    return torch.nn.Sequential(*layers).double()
+
+
+def _batches(n_steps, features=10, classes=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(B, features, generator=g, dtype=torch.float64),
+             torch.randint(0, classes, (B,), generator=g)) for _ in range(n_steps)]
+
+
+def _local_loss(out, y, size, n_global):
+    return torch.nn.functional.cross_entropy(out, y, reduction="sum") * (size / n_global)
+
+
+def _assert_same_params(a, b, **tol):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(p, q, **(tol or TIGHT)), f"{name}: max diff {(p - q).abs().max()}"
+
+
+def _gather_equal(world, obj):
+    everyone = world.allgather(obj)
+    assert all(o == everyone[0] for o in everyone), everyone
+
+
+# ---------------------------------------------------------------------------- DDP
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after-backward"])
+@pytest.mark.parametrize("as_view", [True, False], ids=["grad-view", "grad-copy"])
+@pytest.mark.parametrize("caps", [(0.0005, 0.003), (1, 25)], ids=["4-buckets", "1-bucket"])
+def test_sgd_momentum_equals_single_process_on_global_batch(world, overlap, as_view, caps):
+    rank, size = world.Get_rank(), world.Get_size()
+    ref = _mlp()
+    model = _mlp()
+    if rank > 0:  # the constructor must replace these with rank 0's parameters
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(rank + 2)
+    ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=caps[0], bucket_cap_mb=caps[1],
+                                        overlap=overlap, gradient_as_bucket_view=as_view)
+    _assert_same_params(model, ref, rtol=0, atol=0)
+    if caps[1] < 1:
+        layout = ddp.bucket_layout()
+        assert len(layout) == 4 and ["2.weight"] in layout  # one bucket reduced in place in .grad
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    lo, hi = _share(B, size, rank)
+    for x, y in _batches(STEPS):
+        opt.zero_grad()
+        _local_loss(ddp(x[lo:hi]), y[lo:hi], size, B).backward()
+        assert not ddp.reducer.pending  # every request completed when backward returned
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    _assert_same_params(model, ref)
+    digest = hpcdp.check_replicas(model)
+    _gather_equal(world, digest)
+    stats = ddp.comm_stats
+    assert stats["iterations"] == STEPS
+    assert stats["allreduces"] == STEPS * len(ddp.bucket_layout())
+    assert (stats["bytes_sent"] > 0) == (size > 1)
+
+
+def test_zero_grad_keeping_tensors_accumulates_in_the_bucket_views(world):
+    """``zero_grad(set_to_none=False)``: autograd adds into the bucket views in place."""
+    rank, size = world.Get_rank(), world.Get_size()
+    ref, model = _mlp(), _mlp()
+    ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=0.0005, bucket_cap_mb=0.003)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    lo, hi = _share(B, size, rank)
+    for x, y in _batches(3, seed=7):
+        opt.zero_grad(set_to_none=False)
+        _local_loss(ddp(x[lo:hi]), y[lo:hi], size, B).backward()
+        opt.step()
+        ref_opt.zero_grad(set_to_none=False)
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    _assert_same_params(model, ref)
+    first = ddp.reducer.buckets[0]
+    assert model[4].weight.grad.data_ptr() == first.views[first.members.index(4)].data_ptr()
+
+
+def test_no_sync_accumulation_equals_one_large_batch(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    ref, model = _mlp(), _mlp()
+    ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=0.0005, bucket_cap_mb=0.003)
+    micro = _batches(3, seed=3)
+    n_total = B * len(micro)
+    for k, (x, y) in enumerate(micro):
+        lo, hi = _share(B, size, rank)
+        ctx = ddp.no_sync() if k < len(micro) - 1 else contextlib.nullcontext()
+        with ctx:
+            _local_loss(ddp(x[lo:hi]), y[lo:hi], size, n_total).backward()
+        if k < len(micro) - 1:
+            assert ddp.comm_stats["allreduces"] == 0
+    x_all = torch.cat([x for x, _ in micro])
+    y_all = torch.cat([y for _, y in micro])
+    torch.nn.functional.cross_entropy(ref(x_all), y_all).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, **TIGHT), name
+    assert ddp.comm_stats["iterations"] == 1
+
+
+class _TwoHeads(torch.nn.Module):
+    """A trunk and two heads; ``forward(x, head)`` uses one of them. ``spare`` is never used."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.trunk = torch.nn.Linear(6, 8)
+        self.head_a = torch.nn.Linear(8, 3)
+        self.head_b = torch.nn.Linear(8, 3)
+        self.spare = torch.nn.Linear(8, 3)
+        self.double()
+
+    def forward(self, x, head="a"):
+        h = torch.tanh(self.trunk(x))
+        return self.head_a(h) if head == "a" else self.head_b(h)
+
+
+def test_unused_parameters_fail_clearly_on_every_rank_and_training_goes_on(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    model = _TwoHeads()
+    ddp = hpcdp.DistributedDataParallel(model)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.raises(UnusedParametersError) as err:
+        ddp(x, "a").sum().backward()
+    msg = str(err.value)
+    assert f"rank {rank}:" in msg and "find_unused_parameters=True" in msg
+    for name in ("head_b.weight", "head_b.bias", "spare.weight", "spare.bias"):
+        assert f"'{name}'" in msg
+    assert "'trunk.weight'" not in msg and "'head_a.weight'" not in msg
+    assert all(f"rank {r}: " in msg for r in range(size))
+    # the engine is not left waiting: a later collective works on every rank
+    t = torch.ones(3, dtype=torch.float64)
+    hpcdp.allreduce(t, op="sum")
+    assert torch.equal(t, torch.full((3,), float(size), dtype=torch.float64))
+
+
+def test_unused_on_one_rank_only_is_reported_on_every_rank(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 2), "b": torch.nn.Linear(4, 2)}).double()
+    hpcdp.DistributedDataParallel(model)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(UnusedParametersError) as err:
+        out = model["a"](x) + (model["b"](x) if rank != size - 1 else 0)
+        out.sum().backward()
+    msg = str(err.value)
+    assert f"rank {size - 1}: 'b.weight', 'b.bias'" in msg
+    assert "rank 0: (none)" in msg
+
+
+def test_find_unused_parameters_matches_single_process(world):
+    """Rank parity picks the head; unused heads count as zeros; a head no rank uses keeps grad None."""
+    rank, size = world.Get_rank(), world.Get_size()
+    ref, model = _TwoHeads(), _TwoHeads()
+    ddp = hpcdp.DistributedDataParallel(model, find_unused_parameters=True, first_bucket_mb=0.0001,
+                                        bucket_cap_mb=0.0003)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(11)
+    for _ in range(STEPS):
+        x = torch.randn(B, 6, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (B,), generator=g)
+        opt.zero_grad()
+        lo, hi = _share(B, size, rank)
+        _local_loss(ddp(x[lo:hi], "a" if rank % 2 == 0 else "b"), y[lo:hi], size, B).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss = 0
+        for r in range(size):
+            rlo, rhi = _share(B, size, r)
+            loss = loss + torch.nn.functional.cross_entropy(
+                ref(x[rlo:rhi], "a" if r % 2 == 0 else "b"), y[rlo:rhi], reduction="sum") / B
+        loss.backward()
+        ref_opt.step()
+    _assert_same_params(model, ref)
+    assert model.spare.weight.grad is None and model.spare.bias.grad is None
+    assert (model.head_b.weight.grad is None) == (size == 1)
+    hpcdp.check_replicas(model)
+
+
+def test_batchnorm_buffers_follow_rank0(world):
+    rank, size = world.Get_rank(), world.Get_size()
+
+    def build():
+        torch.manual_seed(2)
+        return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                   torch.nn.Linear(8, 2)).double()
+
+    model = build()
+    if rank > 0:
+        model[1].running_mean.fill_(float(rank))  # constructor broadcast replaces this
+    ddp = hpcdp.DistributedDataParallel(model)
+    assert torch.equal(model[1].running_mean, torch.zeros(8, dtype=torch.float64))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)  # different data on every rank
+    for _ in range(3):
+        opt.zero_grad()
+        x = torch.randn(6, 5, generator=g, dtype=torch.float64) * (rank + 1)
+        ddp(x).sum().backward()
+        opt.step()
+    local_mean = model[1].running_mean.clone()  # updated by this rank's last forward
+    ddp.eval()
+    with torch.no_grad():
+        ddp(torch.zeros(1, 5, dtype=torch.float64))  # re-broadcasts rank 0's buffers first
+    rank0_mean = world.bcast(local_mean if rank == 0 else None, root=0)
+    assert torch.equal(model[1].running_mean, rank0_mean)
+    assert int(model[1].num_batches_tracked) == 3
+    hpcdp.check_replicas(model)
+
+
+def test_without_buffer_broadcast_check_replicas_names_the_ranks(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.BatchNorm1d(4)).double()
+    ddp = hpcdp.DistributedDataParallel(model, broadcast_buffers=False)
+    x = torch.randn(6, 5, dtype=torch.float64) + rank
+    ddp(x).sum().backward()
+    if size == 1:
+        assert len(hpcdp.check_replicas(model)) == 64
+        return
+    with pytest.raises(ReplicaMismatchError) as err:
+        hpcdp.check_replicas(model)
+    msg = str(err.value)
+    others = "1" if size == 2 else f"1-{size - 1}"
+    assert f"rank {rank}: " in msg and f"ranks {others} differ from rank 0" in msg
+    assert "buffer '1.running_mean'" in msg
+
+
+class _Reversed(torch.nn.Module):
+    """Registers a, b, c but applies c, b, a: gradients arrive a first (not c, as the
+    reverse registration order predicts)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(9)
+        self.a = torch.nn.Linear(8, 3)
+        self.b = torch.nn.Linear(8, 8)
+        self.c = torch.nn.Linear(6, 8)
+        self.double()
+
+    def forward(self, x):
+        return self.a(torch.tanh(self.b(torch.tanh(self.c(x)))))
+
+
+def test_out_of_registration_order_gradients_relayout_once_identically(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    ref, model = _Reversed(), _Reversed()
+    ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=0.0001, bucket_cap_mb=0.0004)
+    before = ddp.bucket_layout()
+    assert before[0] == ["c.bias", "c.weight"]  # reverse registration order
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+    g = torch.Generator().manual_seed(4)
+    layouts = []
+    for _ in range(STEPS):
+        x = torch.randn(B, 6, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 3, (B,), generator=g)
+        lo, hi = _share(B, size, rank)
+        opt.zero_grad()
+        _local_loss(ddp(x[lo:hi]), y[lo:hi], size, B).backward()
+        opt.step()
+        layouts.append(ddp.bucket_layout())
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    after = layouts[0]
+    assert after != before
+    flat = [n for bucket in after for n in bucket]
+    assert flat.index("a.weight") < flat.index("b.weight") < flat.index("c.weight")
+    assert all(lay == after for lay in layouts)  # re-laid out once
+    _gather_equal(world, after)
+    _assert_same_params(model, ref)
+    hpcdp.check_replicas(model)
+
+
+def test_mismatched_models_fail_clearly_on_every_rank(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    odd = rank == size - 1
+    widths = (10, 33 if odd else 32, 4)
+    with pytest.raises(ModelMismatchError) as err:
+        hpcdp.DistributedDataParallel(_mlp(widths=widths))
+    msg = str(err.value)
+    head = f"ranks 0-{size - 2}" if size > 2 else "ranks 0"
+    assert f"rank {rank}: hpcdp.DistributedDataParallel" in msg
+    assert f"{head}: parameter '0.weight' shape (32, 10) float64" in msg
+    assert f"ranks {size - 1}: parameter '0.weight' shape (33, 10) float64" in msg
+
+
+def test_model_with_extra_layer_on_one_rank_fails_on_every_rank(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    widths = (10, 32, 16, 4) if rank == 0 else (10, 32, 16, 4, 4)
+    with pytest.raises(ModelMismatchError) as err:
+        hpcdp.DistributedDataParallel(_mlp(widths=widths))
+    msg = str(err.value)
+    assert "first difference at entry #6" in msg
+    assert "ranks 0: <nothing: this rank has fewer entries>" in msg
+    assert "parameter '6.weight' shape (4, 4) float64" in msg and "(ranks have 6, 8 entries)" in msg
+
+
+def test_state_dict_has_no_wrapper_prefix_and_loads_back(world):
+    model = _mlp()
+    ddp = hpcdp.DistributedDataParallel(model)
+    sd = ddp.state_dict()
+    assert list(sd) == list(model.state_dict())
+    other = _mlp(seed=3)
+    ddp2 = hpcdp.DistributedDataParallel(other)
+    ddp2.load_state_dict(sd)
+    _assert_same_params(other, model, rtol=0, atol=0)
+
+
+def test_compression_and_trace_are_not_accepted_yet(world):
+    with pytest.raises(ValueError, match="compression='fp16' is not supported yet"):
+        hpcdp.DistributedDataParallel(_mlp(), compression="fp16")
+    with pytest.raises(ValueError, match="trace='t.h5' is not supported yet"):
+        hpcdp.DistributedDataParallel(_mlp(), trace="t.h5")
+
+
+# ------------------------------------------------------------ model-level collectives
+
+def test_broadcast_parameters_and_optimizer_state_from_last_rank(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    root = size - 1
+    model = _mlp(seed=rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * (rank + 1), momentum=0.9)
+    x = torch.randn(5, 10, dtype=torch.float64) * (rank + 1)
+    model(x).sum().backward()
+    opt.step()  # creates rank-dependent momentum buffers
+    hpcdp.broadcast_parameters(model.state_dict(), root=root)
+    hpcdp.broadcast_optimizer_state(opt, root=root)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    momentum = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
+    root_flat, root_momentum = world.bcast((flat, momentum) if rank == root else None, root=root)
+    assert torch.equal(flat, root_flat) and torch.equal(momentum, root_momentum)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * size)
+    hpcdp.check_replicas(model)
+
+
+def test_broadcast_optimizer_state_before_any_step(world):
+    rank = world.Get_rank()
+    model = _mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if rank == 0:
+        model(torch.randn(2, 10, dtype=torch.float64)).sum().backward()
+        opt.step()
+    hpcdp.broadcast_optimizer_state(opt, root=0)
+    assert len(opt.state) == len(list(model.parameters()))
+    steps = {float(s["step"]) for s in opt.state.values()}
+    assert steps == {1.0}
+
+
+def test_broadcast_parameters_checks_names_across_ranks(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    params = {"w": torch.zeros(3), ("v" if rank == 1 else "u"): torch.zeros(2)}
+    with pytest.raises(ModelMismatchError, match="tensor 'v' shape"):
+        hpcdp.broadcast_parameters(params, root=0)
+
+
+def test_check_replicas_names_the_rank_and_tensor_that_differ(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    model = _mlp()
+    digest = hpcdp.check_replicas(model)
+    _gather_equal(world, digest)
+    if size == 1:
+        return
+    if rank == size - 1:
+        with torch.no_grad():
+            model[2].bias[0] += 1e-12
+    with pytest.raises(ReplicaMismatchError) as err:
+        hpcdp.check_replicas(model)
+    msg = str(err.value)
+    assert f"ranks {size - 1} differ from rank 0" in msg and "parameter '2.bias'" in msg
+
+
+# ------------------------------------------------------------------- DistributedOptimizer
+
+def test_distributed_optimizer_matches_single_process(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    ref, model = _mlp(), _mlp()
+    opt = hpcdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                     named_parameters=model.named_parameters(), bucket_cap_mb=0.003,
+                                     first_bucket_mb=0.0005)
+    assert isinstance(opt, torch.optim.SGD)
+    hpcdp.broadcast_parameters(model.state_dict(), root=0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    lo, hi = _share(B, size, rank)
+    for x, y in _batches(STEPS, seed=21):
+        opt.zero_grad()
+        _local_loss(model(x[lo:hi]), y[lo:hi], size, B).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    _assert_same_params(model, ref)
+    hpcdp.check_replicas(model)
+
+
+def test_distributed_optimizer_backward_passes_per_step(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    ref, model = _mlp(), _mlp()
+    opt = hpcdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(),
+                                     backward_passes_per_step=2)
+    micro = _batches(2, seed=8)
+    lo, hi = _share(B, size, rank)
+    for x, y in micro:
+        _local_loss(model(x[lo:hi]), y[lo:hi], size, 2 * B).backward()
+    opt.step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.nn.functional.cross_entropy(ref(torch.cat([x for x, _ in micro])),
+                                      torch.cat([y for _, y in micro])).backward()
+    ref_opt.step()
+    _assert_same_params(model, ref)
+    # a third backward pass before step() is an error (raised by backward, on every rank)
+    opt.zero_grad()
+    for _ in range(2):
+        model(micro[0][0][lo:hi]).sum().backward()
+    with pytest.raises(RuntimeError, match="more than backward_passes_per_step=2 times"):
+        model(micro[0][0][lo:hi]).sum().backward()
+    opt.synchronize()
+    hpcdp.check_replicas(model)
+
+
+def test_distributed_optimizer_misuse_errors(world):
+    model = _mlp()
+    named = list(model.named_parameters())
+    with pytest.raises(ValueError, match="must be unique. Found duplicates: 0.weight"):
+        hpcdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=named + [("0.weight", named[0][1])])
+    with pytest.raises(ValueError, match="one or more model parameters were not named"):
+        hpcdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=named[1:])
+    with pytest.raises(ValueError, match="sequence of tuples"):
+        hpcdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=[p for _, p in named])
+    opt = hpcdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=named)
+    model(torch.randn(3, 10, dtype=torch.float64)).sum().backward()
+    with pytest.raises(RuntimeError, match="zero_grad\\(\\) was called after loss.backward\\(\\)"):
+        opt.zero_grad()
+    with pytest.raises(ValueError, match="step\\(closure\\) is not supported"):
+        opt.step(lambda: 0.0)
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(ValueError, match="already has its gradients averaged by "
+                                         "hpcdp.DistributedOptimizer"):
+        hpcdp.DistributedDataParallel(model)
