@@ -1,7 +1,9 @@
 """Shared test setup.
 
 Serial run: ``python -m pytest tests`` (MPI-marked tests are skipped).
-Multi-rank run: ``mpirun -np N python -m pytest --with-mpi --only-mpi tests``.
+Multi-rank run: ``mpirun -np N python -m pytest --only-mpi tests`` (``--only-mpi``
+alone: pytest-mpi ignores it when ``--with-mpi`` is also given, and would then run
+the serial tests on every rank too).
 
 Under mpirun a failing test on one rank would leave the other ranks waiting in
 the next collective; instead the failing rank prints its report (prefixed with
@@ -14,15 +16,19 @@ import sys
 import pytest
 
 
+def _mpi_run(config) -> bool:
+    return bool(config.getoption("--with-mpi", default=False) or config.getoption("--only-mpi", default=False))
+
+
 def _mpi_size_rank():
-    if "mpi4py.MPI" not in sys.modules and not any(a.startswith("--with-mpi") for a in sys.argv):
+    if "mpi4py.MPI" not in sys.modules and not any(a in ("--with-mpi", "--only-mpi") for a in sys.argv):
         return 1, 0
     from mpi4py import MPI
     return MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
 
 
 def pytest_configure(config):
-    if not config.getoption("--with-mpi", default=False):
+    if not _mpi_run(config):
         return
     size, rank = _mpi_size_rank()
     if rank != 0:
@@ -32,7 +38,7 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    if not config.getoption("--with-mpi", default=False):
+    if not _mpi_run(config):
         return None
     import hpcdp
     hpcdp.init()
@@ -57,9 +63,9 @@ def pytest_runtest_makereport(item, call):
     MPI.COMM_WORLD.Abort(1)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def rt():
-    """The initialised hpcdp runtime (MPI tests only)."""
+    """The initialised hpcdp runtime (MPI tests only; looked up per test, never cached)."""
     import hpcdp
     from hpcdp._runtime import runtime
     hpcdp.init()

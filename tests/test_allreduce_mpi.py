@@ -1,6 +1,6 @@
 """The ring allreduce under mpirun: correctness at every world size.
 
-Run with ``mpirun -np N python -m pytest --with-mpi --only-mpi tests`` for
+Run with ``mpirun -np N python -m pytest --only-mpi tests`` for
 N = 1, 2, 3, 4. Every assertion holds on every rank.
 """
 import numpy as np

@@ -1,6 +1,6 @@
 """Checkpoint and preemption across ranks (run under mpirun at any world size):
 
-    mpirun -np N python -m pytest --with-mpi --only-mpi tests/test_checkpoint_mpi.py
+    mpirun -np N python -m pytest --only-mpi tests/test_checkpoint_mpi.py
 """
 import os
 import random

@@ -24,6 +24,7 @@ echo "== serial tests"
 python -m pytest -q tests
 for n in ${HPCDP_TEST_NP:-1 2 3 4}; do
   echo "== multi-rank tests, np=$n"
-  timeout --kill-after=15 900 mpirun -np "$n" python -m pytest -q --with-mpi --only-mpi \
+  # --only-mpi alone: with --with-mpi too, pytest-mpi would also run the serial tests
+  timeout --kill-after=15 900 mpirun -np "$n" python -m pytest -q --only-mpi \
     --timeout-method=thread tests
 done
