@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket size (MiB)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="average after backward instead of during it")
-    ap.add_argument("--compression", default="none", help="gradient compression (none)")
+    ap.add_argument("--compression", default="none", choices=["none", "fp16", "bf16", "onebit"],
+                    help="gradient compression on the wire (default: none)")
     ap.add_argument("--trace", default=None, metavar="PATH", help="timing trace output")
     ap.add_argument("--checkpoint", default=None, metavar="PATH",
                     help="save after every epoch; resume from it when it exists")

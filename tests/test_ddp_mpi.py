@@ -354,11 +354,39 @@ def test_state_dict_has_no_wrapper_prefix_and_loads_back(world):
     _assert_same_params(other, model, rtol=0, atol=0)
 
 
-def test_compression_and_trace_are_not_accepted_yet(world):
-    with pytest.raises(ValueError, match="compression='fp16' is not supported yet"):
-        hpcdp.DistributedDataParallel(_mlp(), compression="fp16")
+def test_trace_is_not_accepted_yet(world):
     with pytest.raises(ValueError, match="trace='t.h5' is not supported yet"):
         hpcdp.DistributedDataParallel(_mlp(), trace="t.h5")
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "onebit"])
+def test_compressed_ddp_keeps_replicas_identical_and_close(world, compression):
+    """Compressed averaging: every replica identical, close to full precision, residuals kept."""
+    rank, size = world.Get_rank(), world.Get_size()
+    ref = _mlp(seed=5).float()
+    model = _mlp(seed=5).float()
+    ddp = hpcdp.DistributedDataParallel(model, compression=compression, first_bucket_mb=0.001)
+    ref_ddp = hpcdp.DistributedDataParallel(ref)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for x, y in _batches(STEPS):
+        lo, hi = _share(B, size, rank)
+        for net, o in ((ddp, opt), (ref_ddp, ref_opt)):
+            o.zero_grad()
+            _local_loss(net(x[lo:hi].float()), y[lo:hi], size, B).backward()
+            o.step()
+    hpcdp.check_replicas(model)
+    tol = {"fp16": 1e-3, "bf16": 1e-2, "onebit": 0.2}[compression]
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p, q, rtol=tol, atol=tol), f"{name}: max diff {(p - q).abs().max()}"
+    states = ddp.reducer.compression_state_dict()
+    if compression == "onebit":
+        assert states and all(sd["step"] == STEPS for sd in states.values())
+
+
+def test_compression_needs_float32_cpu(world):
+    with pytest.raises(TypeError, match="needs float32 CPU parameters"):
+        hpcdp.DistributedDataParallel(_mlp(), compression="fp16")  # float64 model
 
 
 # ------------------------------------------------------------ model-level collectives

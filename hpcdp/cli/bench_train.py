@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra hpcdp bucket sizes in MiB (comma-separated; '' for none)")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--compression", default="none", help="hpcdp gradient compression (none)")
+    ap.add_argument("--compression", default="none", choices=["none", "fp16", "bf16", "onebit"],
+                    help="hpcdp gradient compression (default: none)")
     return ap
 
 

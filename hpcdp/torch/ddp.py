@@ -25,10 +25,7 @@ __all__ = ["DistributedDataParallel"]
 _OWNER = "hpcdp.DistributedDataParallel"
 
 
-def check_not_wired(compression, trace, owner: str) -> None:
-    if compression is not None:
-        raise ValueError(f"{owner}: compression={compression!r} is not supported yet; "
-                         "pass compression=None (full-precision averaging)")
+def check_not_wired(trace, owner: str) -> None:
     if trace is not None:
         raise ValueError(f"{owner}: trace={trace!r} is not supported yet; pass trace=None")
 
@@ -44,8 +41,9 @@ class DistributedDataParallel(torch.nn.Module):
     as zeros (without it, that is an error naming them, on every rank).
     ``broadcast_buffers``: copy rank 0's buffers (BatchNorm statistics) to every
     rank before each forward. ``gradient_as_bucket_view``: ``.grad`` tensors
-    are views into the flat buckets (saves a copy per step). ``compression``
-    and ``trace`` must be ``None`` for now.
+    are views into the flat buckets (saves a copy per step). ``compression``:
+    ``None``, ``"fp16"``, ``"bf16"``, ``"onebit"`` or a :mod:`hpcdp.compress`
+    compressor (float32 CPU parameters); ``trace`` must be ``None`` for now.
 
     The constructor checks that every rank built the same model (names,
     shapes, dtypes; the error names the first difference and the ranks) and
@@ -58,7 +56,7 @@ class DistributedDataParallel(torch.nn.Module):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"{_OWNER} wraps a torch.nn.Module, got {type(module).__name__}")
-        check_not_wired(compression, trace, _OWNER)
+        check_not_wired(trace, _OWNER)
         if not is_initialized():
             init()
         rt = runtime(_OWNER)
@@ -90,7 +88,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.reducer = Reducer(named, _OWNER, bucket_cap_mb=bucket_cap_mb,
                                first_bucket_mb=first_bucket_mb, overlap=overlap,
                                find_unused=find_unused_parameters, as_view=gradient_as_bucket_view,
-                               should_sync=lambda: self._require_sync, wait_at_end=True)
+                               should_sync=lambda: self._require_sync, wait_at_end=True,
+                               compression=compression)
 
     def forward(self, *args, **kwargs):
         self.reducer.new_iteration()

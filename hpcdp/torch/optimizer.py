@@ -21,7 +21,6 @@ from collections import Counter
 import torch
 
 from .._runtime import init, is_initialized, runtime
-from .ddp import check_not_wired
 from .functions import check_same_across_ranks, tensor_signature
 from .reducer import Reducer
 
@@ -34,7 +33,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class."""
 
     def _hpcdp_setup(self, named_parameters, backward_passes_per_step, bucket_cap_mb,
-                     first_bucket_mb, overlap):
+                     first_bucket_mb, overlap, compression):
         rt = runtime(_OWNER)
         self._hpcdp_passes = 0
         self._hpcdp_passes_per_step = backward_passes_per_step
@@ -44,7 +43,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hpcdp_reducer = Reducer(named_parameters, _OWNER, bucket_cap_mb=bucket_cap_mb,
                                       first_bucket_mb=first_bucket_mb, overlap=overlap,
                                       find_unused=True, as_view=False,
-                                      should_sync=self._hpcdp_count_pass, wait_at_end=False)
+                                      should_sync=self._hpcdp_count_pass, wait_at_end=False,
+                                      compression=compression)
 
     def _hpcdp_count_pass(self) -> bool:
         self._hpcdp_passes += 1
@@ -106,13 +106,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     that errors can name tensors; every parameter of the optimizer must be in
     it. ``backward_passes_per_step``: backward passes accumulated locally before
     the average (``step()`` after fewer averages what is there).
-    ``compression`` must be ``None`` for now.
+    ``compression``: as for :class:`~hpcdp.DistributedDataParallel`.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{_OWNER} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError(f"{_OWNER}: this optimizer is already distributed")
-    check_not_wired(compression, None, _OWNER)
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"{_OWNER}: backward_passes_per_step must be an integer >= 1, "
                          f"got {backward_passes_per_step!r}")
@@ -142,5 +141,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     dist = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)
-    dist._hpcdp_setup(named, backward_passes_per_step, bucket_cap_mb, first_bucket_mb, overlap)
+    dist._hpcdp_setup(named, backward_passes_per_step, bucket_cap_mb, first_bucket_mb, overlap,
+                      compression)
     return dist

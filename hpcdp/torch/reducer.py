@@ -46,7 +46,8 @@ _MB = 1024 * 1024
 
 
 class _Bucket:
-    __slots__ = ("spec", "members", "flat", "views", "direct", "tail", "pending", "handle", "zeros")
+    __slots__ = ("spec", "members", "flat", "views", "direct", "tail", "pending", "handle",
+                 "tail_handle", "zeros")
 
     def __init__(self, spec, params, tail_len: int, direct: bool):
         self.spec = spec
@@ -64,7 +65,23 @@ class _Bucket:
                 self.tail = self.flat[spec.numel:]
         self.pending = len(self.members)
         self.handle = None
+        self.tail_handle = None
         self.zeros = None    # direct bucket whose parameter had no gradient on this rank
+
+
+def _compressor(compression, named_params, owner: str):
+    """The compressor for the buckets (None: full precision); checks what it can reduce."""
+    if compression is None:
+        return None
+    from ..compress import NoCompression, get_compressor
+    comp = get_compressor(compression)
+    if isinstance(comp, NoCompression):
+        return None
+    for name, p in named_params:
+        if p.dtype != torch.float32 or p.device.type != "cpu":
+            raise TypeError(f"{owner}: compression={comp.name!r} needs float32 CPU parameters, but "
+                            f"{name!r} is {p.dtype} on {p.device}; use compression=None")
+    return comp
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -81,7 +98,8 @@ class Reducer:
     """
 
     def __init__(self, named_params, owner: str, *, bucket_cap_mb: float, first_bucket_mb: float,
-                 overlap: bool, find_unused: bool, as_view: bool, should_sync, wait_at_end: bool):
+                 overlap: bool, find_unused: bool, as_view: bool, should_sync, wait_at_end: bool,
+                 compression=None):
         self.rt = runtime(owner)
         self.owner = owner
         self.names = [n for n, _ in named_params]
@@ -102,6 +120,8 @@ class Reducer:
             if owner_of is not None:
                 raise ValueError(f"{owner}: parameter {name!r} already has its gradients averaged by "
                                  f"{owner_of}; wrap the model or the optimizer, not both")
+        self.compressor = _compressor(compression, named_params, owner)
+        self.compression_states = {}   # (bucket index, numel) -> compressor state (1-bit residuals)
         self.cap_bytes = int(bucket_cap_mb * _MB)
         self.first_cap_bytes = int(first_bucket_mb * _MB)
         self.overlap = overlap
@@ -176,6 +196,7 @@ class Reducer:
         for b in self.buckets:
             b.pending = len(b.members)
             b.handle = None
+            b.tail_handle = None
             b.zeros = None
 
     @property
@@ -187,10 +208,12 @@ class Reducer:
         """Called by the owner before a forward pass: recover from an aborted backward."""
         if self._launched:
             for b in self._launched:
-                try:
-                    b.handle.wait()
-                except Exception:
-                    pass
+                for h in (b.handle, b.tail_handle):
+                    try:
+                        if h is not None:
+                            h.wait()
+                    except Exception:
+                        pass
         if self._launched or self._active:
             self._reset()
 
@@ -264,8 +287,23 @@ class Reducer:
             t = b.flat
             if b.tail is not None:
                 self._fill_tail(b.tail)
-        b.handle = allreduce_async(t, op="avg", name=f"bucket{b.spec.index}", check=False,
-                                   stats=self.stats)
+        name = f"bucket{b.spec.index}"
+        comp = self.compressor
+        if comp is None:
+            b.handle = allreduce_async(t, op="avg", name=name, check=False, stats=self.stats)
+        else:
+            # the control tail (counts, presence flags) must survive exactly: it travels
+            # uncompressed, as its own tiny allreduce right after the bucket
+            grads = t[:b.spec.numel] if b.tail is not None else t
+            key = (b.spec.index, grads.numel())
+            state = self.compression_states.get(key)
+            if state is None:
+                state = comp.new_state(grads.numel(), self.rt.size, self.rt.rank, name=name)
+                self.compression_states[key] = state
+            b.handle = allreduce_async(grads, op="avg", name=name, check=False, stats=self.stats,
+                                       compression=comp, state=state)
+            if b.tail is not None:
+                b.tail_handle = allreduce_async(b.tail, op="avg", name=f"{name}.tail", check=False)
         self.stats["allreduces"] += 1
         self._launched.append(b)
 
@@ -315,6 +353,8 @@ class Reducer:
         try:
             for b in launched:
                 b.handle.wait()
+                if b.tail_handle is not None:
+                    b.tail_handle.wait()
         except Exception:
             self._reset()
             raise
@@ -356,3 +396,18 @@ class Reducer:
             "\nEvery parameter must contribute to the loss on every rank; if some legitimately do not, "
             "pass find_unused_parameters=True (they then count as zero gradients, averaged with the "
             "ranks that did use them).")
+
+    def compression_state_dict(self) -> dict:
+        """This rank's compressor states (1-bit residuals) per bucket, for checkpoints."""
+        return {f"{i}:{n}": st.state_dict() for (i, n), st in self.compression_states.items()}
+
+    def load_compression_state_dict(self, states: dict) -> None:
+        """Restore what :meth:`compression_state_dict` returned (same world size and rank)."""
+        comp = self.compressor
+        if comp is None:
+            return
+        for key, sd in states.items():
+            i, n = (int(v) for v in key.split(":"))
+            st = comp.new_state(n, self.rt.size, self.rt.rank, name=f"bucket{i}")
+            st.load_state_dict(sd)
+            self.compression_states[(i, n)] = st
