@@ -15,9 +15,10 @@ shares are uneven. Rank 0 shows a progress bar (on a terminal, or with
 and the test accuracy (both reduced across ranks).
 
 ``--checkpoint PATH`` (:mod:`hpcdp.checkpoint`): the model, optimizer and
-step are saved after every epoch (rank 0 writes atomically: temporary file,
-fsync, rename), and a run that finds the file resumes from it, at any number
-of ranks. With a checkpoint, SIGUSR1/SIGTERM (Slurm's warning or preemption)
+step (and with compression each rank's residuals) are saved after every
+epoch (rank 0 writes atomically: temporary file, fsync, rename), and a run
+that finds the file resumes from it (at any number of ranks when there is no
+compression state). With a checkpoint, SIGUSR1/SIGTERM (Slurm's warning or preemption)
 make every rank stop after the same step (:mod:`hpcdp.preempt`), save, and
 exit with status 75 so the batch script requeues the job; the data order is a
 function of (seed, step), so the resumed run continues exactly there.
@@ -144,11 +145,16 @@ def main(argv=None) -> int:
     step = 0  # global step: epoch * steps + index in the epoch
     stop = None
     if args.checkpoint:
+        # without compression nothing differs between ranks: resume at any number of ranks;
+        # with it, each rank's residuals (error feedback) come back too (same number of ranks)
         try:
-            state = checkpoint.load(args.checkpoint, model, opt, missing_ok=True, per_rank=False)
+            state = checkpoint.load(args.checkpoint, model, opt, missing_ok=True,
+                                    per_rank=compression is not None)
         except checkpoint.CheckpointError as exc:  # raised on every rank alike
             return fail(str(exc), 1)
         if state is not None:
+            if state["residuals"]:
+                ddp.reducer.load_compression_state_dict(state["residuals"])
             step = int(state["step"])
             say(f"resumed from {args.checkpoint} at step {step} (epoch {step // steps + 1}, "
                 f"step {step % steps + 1} of {steps})", flush=True)
@@ -189,7 +195,8 @@ def main(argv=None) -> int:
             bar.update(epoch + 1, args.epochs, i + 1, steps)
             if stop is not None and stop.should_stop():
                 bar.close()
-                checkpoint.save(args.checkpoint, model, opt, step=step, epoch=epoch)
+                checkpoint.save(args.checkpoint, model, opt, step=step, epoch=epoch,
+                                residuals=ddp.reducer.compression_state_dict())
                 preempt.requeue_exit(f"hpcdp.train: {stop.describe()}: saved {args.checkpoint} "
                                      f"after step {step}")
         hpcdp.allreduce(totals, op="sum", name="epoch loss")
@@ -198,7 +205,8 @@ def main(argv=None) -> int:
         say(f"epoch {epoch + 1}/{args.epochs} loss={totals[0] / totals[1]:.4f} test_acc={acc:.4f} "
             f"time={time.perf_counter() - t0:.2f}s", flush=True)
         if args.checkpoint:
-            checkpoint.save(args.checkpoint, model, opt, step=step, epoch=epoch + 1)
+            checkpoint.save(args.checkpoint, model, opt, step=step, epoch=epoch + 1,
+                            residuals=ddp.reducer.compression_state_dict())
     if acc is None:
         acc = evaluate()
     hpcdp.check_replicas(model)

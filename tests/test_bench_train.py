@@ -47,5 +47,5 @@ def test_bad_arguments_exit_2():
     p = run_mpi(1, ["-m", "hpcdp.cli.bench", "train", "--modes", "hpcdp,fast"], timeout=50)
     assert p.returncode == 2 and "unknown model or mode: fast" in p.stderr
     p = run_mpi(2, ["-m", "hpcdp.cli.bench", "train", "--model", "digits", "--modes", "hpcdp",
-                    "--compression", "fp16", "--steps", "1"], timeout=60)
-    assert p.returncode == 2 and "compression='fp16' is not supported yet" in p.stderr
+                    "--bucket-mb", "0", "--steps", "1"], timeout=60)
+    assert p.returncode == 2 and "bucket_cap_mb and first_bucket_mb must be > 0" in p.stderr

@@ -49,9 +49,9 @@ def test_bad_arguments_exit_2(tmp_path):
     p = run_mpi(2, ["-m", "hpcdp.train", "--global-batch", "1"], timeout=90)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "--global-batch 1 is smaller than the number of ranks (2)" in p.stderr
-    p = run_mpi(2, ["-m", "hpcdp.train", "--compression", "onebit", "--epochs", "1"], timeout=90)
+    p = run_mpi(2, ["-m", "hpcdp.train", "--trace", "t.h5", "--epochs", "1"], timeout=90)
     assert p.returncode == 2, p.stdout + p.stderr
-    assert "compression='onebit' is not supported yet" in p.stderr
+    assert "trace='t.h5' is not supported yet" in p.stderr
 
 
 @pytest.mark.timeout(240)

@@ -42,8 +42,8 @@ import statistics
 import sys
 import time
 
-_DEFAULT_STEPS = {"mlp-small": (40, 5), "mlp-medium": (16, 3), "mlp-large": (8, 2),
-                  "mlp-xlarge": (6, 2), "digits": (100, 10)}
+_DEFAULT_STEPS = {"mlp-small": (40, 5), "mlp-medium": (20, 3), "mlp-large": (12, 2),
+                  "mlp-xlarge": (8, 2), "digits": (100, 10)}
 _MODES = ("single", "naive", "hpcdp", "hpcdp-sync", "hpcdp-copy", "ddp")
 
 
