@@ -126,28 +126,25 @@ def simulate(arrays, add=None, finish=None):
             finish(bufs[0])
         return bufs
     scheds = [RingSchedule(n, p, r, max(n, 1)) for r in range(p)]
-    for i in range(p - 1):
-        outgoing = []
-        for r in range(p):
-            s, _ = scheds[r].reduce_scatter()[i]
-            lo, hi = scheds[r].chunk_range(s)
-            outgoing.append(bufs[r][lo:hi].copy())
-        for r in range(p):
-            _, c = scheds[r].reduce_scatter()[i]
-            lo, hi = scheds[r].chunk_range(c)
-            add(bufs[r][lo:hi], outgoing[(r - 1) % p])
+
+    def run_phase(steps_of, combine):
+        """Every rank sends its step's chunk to the right, then folds in what came from the left."""
+        for i in range(p - 1):
+            outgoing = []
+            for r in range(p):
+                lo, hi = scheds[r].chunk_range(steps_of(scheds[r])[i][0])
+                outgoing.append(bufs[r][lo:hi].copy())
+            for r in range(p):
+                lo, hi = scheds[r].chunk_range(steps_of(scheds[r])[i][1])
+                combine(bufs[r][lo:hi], outgoing[(r - 1) % p])
+
+    def copy(dst, src):
+        dst[...] = src
+
+    run_phase(RingSchedule.reduce_scatter, add)
     if finish is not None:
         for r in range(p):
             lo, hi = scheds[r].chunk_range(scheds[r].owned_chunk)
             finish(bufs[r][lo:hi])
-    for j in range(p - 1):
-        outgoing = []
-        for r in range(p):
-            s, _ = scheds[r].allgather()[j]
-            lo, hi = scheds[r].chunk_range(s)
-            outgoing.append(bufs[r][lo:hi].copy())
-        for r in range(p):
-            _, c = scheds[r].allgather()[j]
-            lo, hi = scheds[r].chunk_range(c)
-            bufs[r][lo:hi] = outgoing[(r - 1) % p]
+    run_phase(RingSchedule.allgather, copy)
     return bufs
