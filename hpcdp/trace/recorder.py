@@ -145,36 +145,35 @@ class Recorder:
         self.flush()
 
     # ---- hot path -------------------------------------------------------------
+    def _slot(self) -> int:
+        """Offset of the next free row in the buffer, flushing first when it is full (lock held)."""
+        n = self._n
+        if n == self._cap:
+            self._flush_locked()
+            n = 0
+        self._n = n + 1
+        return n * 10
+
     def span(self, kind: int, t0: int, t1: int, step: int) -> None:
         """A phase of ``step`` from ``t0`` to ``t1`` (FORWARD, BACKWARD, EXPOSED_WAIT, OPTIMIZER)."""
         with self._lock:
-            n = self._n
-            if n == self._cap:
-                self._flush_locked()
-                n = 0
-            o = n * 10
+            o = self._slot()
             mv = self._mv
             mv[o] = kind
             mv[o + 1] = step
             mv[o + 4] = t0
             mv[o + 5] = t1
-            self._n = n + 1
 
     def ready(self, t: int, step: int, bucket: int) -> None:
         """Instant: every gradient of ``bucket`` is ready at ``t`` (BUCKET_READY)."""
         with self._lock:
-            n = self._n
-            if n == self._cap:
-                self._flush_locked()
-                n = 0
-            o = n * 10
+            o = self._slot()
             mv = self._mv
             mv[o] = 3  # EventKind.BUCKET_READY
             mv[o + 1] = step
             mv[o + 2] = bucket
             mv[o + 4] = t
             mv[o + 5] = t
-            self._n = n + 1
 
     def comm(self, t0: int, t1: int, step: int, bucket: int, nbytes: int,
              bytes_sent: int, bytes_recv: int, codec: int = 0) -> None:
@@ -182,11 +181,7 @@ class Recorder:
         compression, ``bytes_sent``/``bytes_recv`` this rank's wire traffic,
         ``codec`` an id from :meth:`codec_id` (0 = "none")."""
         with self._lock:
-            n = self._n
-            if n == self._cap:
-                self._flush_locked()
-                n = 0
-            o = n * 10
+            o = self._slot()
             mv = self._mv
             mv[o] = 4  # EventKind.BUCKET_COMM
             mv[o + 1] = step
@@ -197,7 +192,6 @@ class Recorder:
             mv[o + 7] = bytes_sent
             mv[o + 8] = bytes_recv
             mv[o + 9] = codec
-            self._n = n + 1
 
     def ring(self, t0: int, t1: int, step: int, bucket: int, index: int,
              nbytes: int, bytes_sent: int, bytes_recv: int) -> None:
@@ -206,11 +200,7 @@ class Recorder:
         if self.level < 2:
             return
         with self._lock:
-            n = self._n
-            if n == self._cap:
-                self._flush_locked()
-                n = 0
-            o = n * 10
+            o = self._slot()
             mv = self._mv
             mv[o] = 7  # EventKind.RING_STEP
             mv[o + 1] = step
@@ -221,23 +211,17 @@ class Recorder:
             mv[o + 6] = nbytes
             mv[o + 7] = bytes_sent
             mv[o + 8] = bytes_recv
-            self._n = n + 1
 
     def step(self, t0: int, t1: int, step: int) -> None:
         """The whole of ``step`` (STEP), recorded after its last event; flushes to
         the file every ``flush_every`` steps."""
         with self._lock:
-            n = self._n
-            if n == self._cap:
-                self._flush_locked()
-                n = 0
-            o = n * 10
+            o = self._slot()
             mv = self._mv
             mv[o] = 0  # EventKind.STEP
             mv[o + 1] = step
             mv[o + 4] = t0
             mv[o + 5] = t1
-            self._n = n + 1
             self._last_step = step
             self._steps_pending += 1
             if (self._steps_pending >= self.flush_every
