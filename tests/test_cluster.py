@@ -46,16 +46,8 @@ def cluster():
     ok, why = harness.can_run()
     if not ok:
         pytest.skip(f"cluster harness cannot run here: {why}")
-    c = harness.Cluster(rate="1gbit", nodes=2, up_timeout=120, down_timeout=60, keep=False)
-    try:
-        c.up()
-    except BaseException:
-        c.down()
-        raise
-    try:
+    with harness.Cluster(rate="1gbit", nodes=2, up_timeout=120, down_timeout=60, keep=False) as c:
         yield c
-    finally:
-        c.down()
 
 
 @pytest.fixture

@@ -96,17 +96,11 @@ def cluster():
     ok, why = harness.can_run()
     if not ok:
         pytest.skip(f"cluster harness cannot run here: {why}")
-    c = harness.Cluster(rate="1gbit", nodes=2, up_timeout=120, down_timeout=60, keep=False)
     segments = mpich_segments()
     try:
-        c.up()
-    except BaseException:
-        c.down()
-        raise
-    try:
-        yield c
+        with harness.Cluster(rate="1gbit", nodes=2, up_timeout=120, down_timeout=60, keep=False) as c:
+            yield c
     finally:
-        c.down()
         remove_stale_segments(segments)
 
 

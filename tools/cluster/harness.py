@@ -192,7 +192,11 @@ class Cluster:
 
     # -- lifecycle
     def __enter__(self) -> "Cluster":
-        self.up()
+        try:
+            self.up()
+        except BaseException:
+            self.down()  # a half-started cluster must not outlive the failure
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
