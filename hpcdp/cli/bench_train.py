@@ -31,8 +31,10 @@ Rank 0 prints one JSON object per model and mode::
 
 ``bytes_sent_per_step`` is rank 0's count from hpcdp's ring (0 for single,
 null where the transport does not tell: naive and ddp), and after each model
-a ``{"bench": "train-summary", ...}`` line with hpcdp's step time relative
-to the peers.
+a ``{"bench": "train-summary", ...}`` line with hpcdp's median step time over
+each peer's (``hpcdp_over_PEER``) and, with one step per mode per round, the
+median over rounds of the ratio of the two steps of the same round
+(``paired_hpcdp_over_PEER``: drift that lasts longer than a round cancels).
 """
 from __future__ import annotations
 
@@ -194,10 +196,12 @@ def _bench_model(model_name, modes, args, rt, comms, out) -> bool:
         if r.mode != "single":
             hpcdp.check_replicas(r.model)
     # slowest rank per step (single: rank 0 only)
+    per_step = {}
     for r in runners:
         mine = times[r.mode] if r.active else [0.0] * steps
         everyone = ctl.allgather(mine)
         step_times = [max(ts[i] for ts in everyone) for i in range(steps)]
+        per_step[r.mode] = step_times
         before, after = bytes_before[r.mode], r.bytes_sent()
         if rank == 0:
             med = statistics.median(step_times)
@@ -223,6 +227,9 @@ def _bench_model(model_name, modes, args, rt, comms, out) -> bool:
             for peer in ("single", "naive", "ddp", "hpcdp-sync", "hpcdp-copy"):
                 if peer in med:
                     summary[f"hpcdp_over_{peer}"] = med["hpcdp"] / med[peer]
+                    if rounds == steps:  # step i of every mode ran in round i: pair them
+                        summary[f"paired_hpcdp_over_{peer}"] = statistics.median(
+                            a / b for a, b in zip(per_step["hpcdp"], per_step[peer]))
         print(json.dumps(summary), flush=True)
     return True
 
