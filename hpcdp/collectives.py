@@ -75,7 +75,7 @@ def _ranges(ranks):
     return ",".join(out)
 
 
-def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats, where, comp, state):
+def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats, where, comp, state, on_step):
     comm, MPI = rt.comm, rt.MPI
     if check:
         yield from _signature_check(comm, MPI, "allreduce", _KINDS["allreduce"], buf, op,
@@ -85,7 +85,8 @@ def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats, where, comp, 
     if comp is not None and comp.collective == "two_phase":
         if state is None:
             state = rt.compression_state(comp, buf)
-        yield from twophase_allreduce(comm, MPI, buf.data, comp, state, tag, average, stats, where)
+        yield from twophase_allreduce(comm, MPI, buf.data, comp, state, tag, average, stats, where,
+                                      on_step)
         return
     if comp is not None:
         wire_dtype = np.dtype(comp.wire_dtype)
@@ -94,7 +95,7 @@ def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats, where, comp, 
                                 1.0 / size if average else 1.0)
         tmp = rt.scratch("wire-tmp", _cfg.window * seg, wire_dtype)
         yield from ring_allreduce(comm, MPI, buf.n, codec, tmp, tag, _cfg, wire_dtype.itemsize,
-                                  stats, where)
+                                  stats, where, on_step)
         if stats is not None:
             stats["nonfinite"] = bool(comp.has_nonfinite(codec.wire))
         return
@@ -105,11 +106,13 @@ def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats, where, comp, 
         buf.ops.to_host(buf.data, host)
         hbuf = type(buf)(host, buf.n, buf.dtype, HostOps(buf.dtype), buf.name)
         yield from ring_allreduce(comm, MPI, buf.n, PlainCodec(hbuf, average, size),
-                                  rt.tmp(hbuf, _cfg.window * seg), tag, _cfg, itemsize, stats, where)
+                                  rt.tmp(hbuf, _cfg.window * seg), tag, _cfg, itemsize, stats, where,
+                                  on_step)
         buf.ops.from_host(host, buf.data)
     else:
         yield from ring_allreduce(comm, MPI, buf.n, PlainCodec(buf, average, size),
-                                  rt.tmp(buf, _cfg.window * seg), tag, _cfg, itemsize, stats, where)
+                                  rt.tmp(buf, _cfg.window * seg), tag, _cfg, itemsize, stats, where,
+                                  on_step)
 
 
 def _compression(compression, buf):
@@ -145,7 +148,8 @@ def _parse_op(op: str, buf) -> int:
 
 
 def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = True,
-                    stats: dict | None = None, compression=None, state=None) -> Handle:
+                    stats: dict | None = None, compression=None, state=None,
+                    on_step=None) -> Handle:
     """Start an in-place allreduce of ``x``; returns a :class:`Handle`.
 
     ``x``: contiguous numpy array, torch tensor (CPU or CUDA) or device array.
@@ -155,26 +159,32 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     (and ``nonfinite`` for fp16/bf16 compression). ``compression``: ``None``,
     ``"fp16"``, ``"bf16"``, ``"onebit"`` or a :mod:`hpcdp.compress` compressor
     (float32 host buffers); ``state``: the per-bucket compressor state (1-bit
-    residuals), by default one kept per ``name`` and length.
+    residuals), by default one kept per ``name`` and length. ``on_step``: called
+    from the progress engine after each ring step (1-bit: each of its two
+    phases) as ``on_step(index, t0_ns, t1_ns, bytes_sent, bytes_recv)``, times
+    from ``time.perf_counter_ns`` (what level-2 traces record).
     ``x`` must not be touched until the handle completes.
     """
     rt = runtime("allreduce_async()")
-    return rt.engine.submit(*_prepare_allreduce(rt, x, op, name, check, stats, compression, state))
+    return rt.engine.submit(*_prepare_allreduce(rt, x, op, name, check, stats, compression, state,
+                                                on_step))
 
 
 def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
               stats: dict | None = None, compression=None, state=None):
     """In-place allreduce of ``x`` (blocking); returns ``x``. See :func:`allreduce_async`."""
     rt = runtime("allreduce()")
-    return rt.engine.run(*_prepare_allreduce(rt, x, op, name, check, stats, compression, state))
+    return rt.engine.run(*_prepare_allreduce(rt, x, op, name, check, stats, compression, state,
+                                             None))
 
 
-def _prepare_allreduce(rt, x, op, name, check, stats, compression, state):
+def _prepare_allreduce(rt, x, op, name, check, stats, compression, state, on_step):
     buf = as_buffer(x, name or "tensor")
     code = _parse_op(op, buf)
     comp = _compression(compression, buf)
     where = {}
-    gen = _allreduce_gen(rt, buf, code, check, rt.engine.next_tag(), stats, where, comp, state)
+    gen = _allreduce_gen(rt, buf, code, check, rt.engine.next_tag(), stats, where, comp, state,
+                         on_step)
     return gen, f"allreduce({buf.name})", x, where
 
 

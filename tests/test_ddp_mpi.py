@@ -354,10 +354,6 @@ def test_state_dict_has_no_wrapper_prefix_and_loads_back(world):
     _assert_same_params(other, model, rtol=0, atol=0)
 
 
-def test_trace_is_not_accepted_yet(world):
-    with pytest.raises(ValueError, match="trace='t.h5' is not supported yet"):
-        hpcdp.DistributedDataParallel(_mlp(), trace="t.h5")
-
 
 @pytest.mark.parametrize("compression", ["fp16", "bf16", "onebit"])
 def test_compressed_ddp_keeps_replicas_identical_and_close(world, compression):

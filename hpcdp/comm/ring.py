@@ -20,6 +20,7 @@ straight into place and forwards each segment as it arrives.
 from __future__ import annotations
 
 import functools
+from time import perf_counter_ns
 
 from .schedule import RingSchedule
 
@@ -139,7 +140,7 @@ class CompressedCodec:
 
 
 def ring_allreduce(comm, MPI, n: int, codec, tmp, tag: int, cfg: RingConfig, itemsize: int,
-                   stats=None, where=None):
+                   stats=None, where=None, on_step=None):
     """Generator: allreduce ``n`` elements in place through ``codec``.
 
     ``codec`` (:class:`PlainCodec` or :class:`CompressedCodec`) says what is sent
@@ -148,7 +149,10 @@ def ring_allreduce(comm, MPI, n: int, codec, tmp, tag: int, cfg: RingConfig, ite
     the wire element size. ``stats``, if given, is a dict whose ``bytes_sent``
     and ``bytes_recv`` entries are incremented. ``where``, if given, is kept
     current with ``phase``, ``step`` and the ``peer`` being waited for (read by
-    the stall watchdog).
+    the stall watchdog). ``on_step``, if given, is called after each ring step as
+    ``on_step(index, t0_ns, t1_ns, bytes_sent, bytes_recv)``: scatter-reduce steps
+    are ``0 .. size-2``, allgather steps ``size-1 .. 2 size-3``; the times are
+    ``time.perf_counter_ns`` (the step's start is the previous step's end).
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1 or n == 0:
@@ -177,6 +181,10 @@ def ring_allreduce(comm, MPI, n: int, codec, tmp, tag: int, cfg: RingConfig, ite
     for lo, hi in plan.first_sends:
         first.append(Isend([codec.first(lo, hi), BYTE], right, tag))
     last = size - 2
+    if on_step is not None:
+        t_mark = perf_counter_ns()
+        moved = sum(hi - lo for lo, hi in plan.first_sends)  # elements sent in the current step
+        got = 0
     ag_sends = []  # allgather step-0 sends: the owned chunk, final as soon as reduced
     for m in range(nin):
         i, lo, hi = incoming[m]
@@ -190,6 +198,13 @@ def ring_allreduce(comm, MPI, n: int, codec, tmp, tag: int, cfg: RingConfig, ite
             _, nlo, nhi = incoming[nxt]
             recv_reqs[nxt] = Irecv([slot[:nhi - nlo], BYTE], left, tag)
         (send_reqs_by_step[i + 1] if i < last else ag_sends).append(Isend([out, BYTE], right, tag))
+        if on_step is not None:
+            moved += hi - lo
+            got += hi - lo
+            if m + 1 == nin or incoming[m + 1][0] != i:
+                t = perf_counter_ns()
+                on_step(i, t_mark, t, moved * itemsize, got * itemsize)
+                t_mark, moved, got = t, 0, 0
 
     # ---- allgather ------------------------------------------------------------
     ag_recv = plan.ag_recv
@@ -219,6 +234,11 @@ def ring_allreduce(comm, MPI, n: int, codec, tmp, tag: int, cfg: RingConfig, ite
             if forward:
                 ag_sends.append(Isend([out, BYTE], right, tag))
         posted[j] = None
+        if on_step is not None:
+            t = perf_counter_ns()
+            got = sum(hi - lo for lo, hi in ag_recv[j]) * itemsize
+            on_step(steps + j, t_mark, t, got if forward else 0, got)
+            t_mark = t
     leftover = [r for step in send_reqs_by_step for r in step] + ag_sends
     if leftover:
         where["peer"], where["phase"] = right, "final sends"

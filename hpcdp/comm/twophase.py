@@ -11,17 +11,20 @@ MPI, any world size, and count their bytes like the ring does.
 """
 from __future__ import annotations
 
+from time import perf_counter_ns
+
 import numpy as np
 
 __all__ = ["twophase_allreduce"]
 
 
 def twophase_allreduce(comm, MPI, data: np.ndarray, comp, state, tag: int, average: bool,
-                       stats=None, where=None):
+                       stats=None, where=None, on_step=None):
     """Generator: ``data`` (float32, host) becomes the compressed average (or sum)."""
     size, rank = comm.Get_size(), comm.Get_rank()
     if where is None:
         where = {}
+    t0 = perf_counter_ns() if on_step is not None else 0
     frames = comp.encode(data, state)                      # (N, F) uint8
     width = frames.shape[1]
     received = np.empty_like(frames)
@@ -33,6 +36,11 @@ def twophase_allreduce(comm, MPI, data: np.ndarray, comp, state, tag: int, avera
     reqs += [comm.Isend([frames[p], BYTE], p, tag) for p in peers]
     if reqs:
         yield reqs
+    moved = (size - 1) * width
+    if on_step is not None:
+        t1 = perf_counter_ns()
+        on_step(0, t0, t1, moved, moved)
+        t0 = t1
     mine = comp.server_reduce(received, state)              # (F,) uint8
     gathered = np.empty_like(frames)
     gathered[rank] = mine
@@ -44,7 +52,8 @@ def twophase_allreduce(comm, MPI, data: np.ndarray, comp, state, tag: int, avera
     comp.decode(gathered, data)
     if not average:
         data *= np.float32(size)
+    if on_step is not None:
+        on_step(1, t0, perf_counter_ns(), moved, moved)
     if stats is not None:
-        moved = 2 * (size - 1) * width
-        stats["bytes_sent"] = stats.get("bytes_sent", 0) + moved
-        stats["bytes_recv"] = stats.get("bytes_recv", 0) + moved
+        stats["bytes_sent"] = stats.get("bytes_sent", 0) + 2 * moved
+        stats["bytes_recv"] = stats.get("bytes_recv", 0) + 2 * moved

@@ -12,22 +12,34 @@ while backward is still computing (see :mod:`hpcdp.torch.reducer`).
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 
 import torch
 
 from .._runtime import init, is_initialized, runtime
-from .functions import broadcast_tensors, check_same_across_ranks, tensor_signature
+from .functions import broadcast_tensors, check_same_across_ranks, control_comm, tensor_signature
 from .reducer import Reducer
+from .tracing import StepTracer
 
 __all__ = ["DistributedDataParallel"]
 
 _OWNER = "hpcdp.DistributedDataParallel"
 
 
-def check_not_wired(trace, owner: str) -> None:
-    if trace is not None:
-        raise ValueError(f"{owner}: trace={trace!r} is not supported yet; pass trace=None")
+def _open_trace(rt, trace):
+    """The recorder for ``trace`` (a run directory, ``None`` for ``$HPCDP_TRACE``, or a
+    recorder); collective. ``None`` when tracing is off."""
+    from ..trace import open_recorder
+    if trace is None or isinstance(trace, (str, os.PathLike)):
+        rec = open_recorder(control_comm(rt), trace)
+    elif callable(getattr(trace, "comm", None)) and callable(getattr(trace, "span", None)):
+        rec = trace
+    else:
+        raise TypeError(f"{_OWNER}: trace must be a directory path, None or an hpcdp.trace "
+                        f"recorder, got {type(trace).__name__}")
+    return rec if rec.enabled else None
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -43,7 +55,11 @@ class DistributedDataParallel(torch.nn.Module):
     rank before each forward. ``gradient_as_bucket_view``: ``.grad`` tensors
     are views into the flat buckets (saves a copy per step). ``compression``:
     ``None``, ``"fp16"``, ``"bf16"``, ``"onebit"`` or a :mod:`hpcdp.compress`
-    compressor (float32 CPU parameters); ``trace`` must be ``None`` for now.
+    compressor (float32 CPU parameters). ``trace``: a run directory that
+    receives one HDF5 timing file per rank (``None``: ``$HPCDP_TRACE`` if set,
+    else no tracing), or a recorder from :func:`hpcdp.trace.open_recorder`; see
+    ``docs/tracing.md``. :meth:`close_trace` writes the rest and closes the files
+    (also done at interpreter exit).
 
     The constructor checks that every rank built the same model (names,
     shapes, dtypes; the error names the first difference and the ranks) and
@@ -56,7 +72,6 @@ class DistributedDataParallel(torch.nn.Module):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"{_OWNER} wraps a torch.nn.Module, got {type(module).__name__}")
-        check_not_wired(trace, _OWNER)
         if not is_initialized():
             init()
         rt = runtime(_OWNER)
@@ -85,17 +100,51 @@ class DistributedDataParallel(torch.nn.Module):
         broadcast_tensors([p for _, p in named + frozen] + [b for _, b in buffers], root=0)
         self._synced_buffers = [b for _, b in buffers]
         self._size = rt.size
+        rec = _open_trace(rt, trace)
+        self._tracer = None if rec is None else StepTracer(rec, [p for _, p in named])
         self.reducer = Reducer(named, _OWNER, bucket_cap_mb=bucket_cap_mb,
                                first_bucket_mb=first_bucket_mb, overlap=overlap,
                                find_unused=find_unused_parameters, as_view=gradient_as_bucket_view,
                                should_sync=lambda: self._require_sync, wait_at_end=True,
-                               compression=compression)
+                               compression=compression, tracer=self._tracer)
+        if rec is not None:
+            comp = self.reducer.compressor
+            rec.set_meta(
+                owner=_OWNER, parameter_count=sum(p.numel() for _, p in named),
+                parameters=len(named), gradient_bytes=sum(p.numel() * p.element_size() for _, p in named),
+                compression="none" if comp is None else comp.name,
+                config={"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb,
+                        "overlap": overlap, "find_unused_parameters": find_unused_parameters,
+                        "broadcast_buffers": broadcast_buffers,
+                        "gradient_as_bucket_view": gradient_as_bucket_view,
+                        "progress": rt.engine.mode, "device": str(next(iter(devices), "cpu"))},
+                hostnames=rt.hostnames)
+            atexit.register(self._tracer.close)
 
     def forward(self, *args, **kwargs):
+        tracer = self._tracer
+        if tracer is not None:
+            t0 = tracer.forward_begin()
         self.reducer.new_iteration()
         if self.broadcast_buffers and self._synced_buffers and self._size > 1:
             broadcast_tensors(self._synced_buffers, root=0)
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if tracer is not None:
+            tracer.forward_end(t0, out)
+        return out
+
+    @property
+    def trace_path(self):
+        """This rank's trace file, or None when tracing is off."""
+        return None if self._tracer is None else self._tracer.rec.path
+
+    def close_trace(self) -> None:
+        """Write what the trace holds and close this rank's file (not collective;
+        idempotent; a no-op without tracing)."""
+        if self._tracer is not None:
+            tracer, self._tracer, self.reducer.tracer = self._tracer, None, None
+            tracer.close()
+            atexit.unregister(tracer.close)
 
     @contextlib.contextmanager
     def no_sync(self):

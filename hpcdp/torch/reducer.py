@@ -31,6 +31,8 @@ order rank 0 observed the gradients arrive, broadcast so every rank agrees.
 """
 from __future__ import annotations
 
+from time import perf_counter_ns
+
 import numpy as np
 import torch
 
@@ -47,7 +49,7 @@ _MB = 1024 * 1024
 
 class _Bucket:
     __slots__ = ("spec", "members", "flat", "views", "direct", "tail", "pending", "handle",
-                 "tail_handle", "zeros")
+                 "tail_handle", "zeros", "stats", "payload")
 
     def __init__(self, spec, params, tail_len: int, direct: bool):
         self.spec = spec
@@ -67,6 +69,8 @@ class _Bucket:
         self.handle = None
         self.tail_handle = None
         self.zeros = None    # direct bucket whose parameter had no gradient on this rank
+        self.stats = None    # this launch's wire bytes, filled in by the engine
+        self.payload = 0     # bytes handed to this launch's allreduce (after compression)
 
 
 def _compressor(compression, named_params, owner: str):
@@ -88,18 +92,33 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
 
+def _payload_nbytes(comp, state, numel: int, world_size: int) -> int:
+    """Bytes a compressed allreduce of ``numel`` float32 elements is handed (its payload)."""
+    if comp.collective == "two_phase":
+        return world_size * comp.frame_nbytes(numel, world_size, compressed=comp.is_compressing(state))
+    return comp.payload_nbytes(numel)
+
+
 class Reducer:
     """Buckets, hooks and the per-iteration state machine (see the module docstring).
 
     ``should_sync()`` is asked once per backward pass (at its first hook)
     whether this pass averages gradients. ``wait_at_end``: wait for the
     reductions in the end-of-backward callback (DDP) instead of in
-    :meth:`finish` called by the owner (the optimizer).
+    :meth:`finish` called by the owner (the optimizer). ``tracer``: a
+    :class:`~hpcdp.torch.tracing.StepTracer` told about backward, buckets and
+    the exposed wait (None: no tracing).
+
+    ``stats`` holds cumulative ``bytes_sent``, ``bytes_recv``, ``allreduces``,
+    synchronised ``iterations`` and ``exposed_wait_ns`` (time spent waiting for
+    the reductions once backward had ended), plus ``nonfinite`` (fp16/bf16: the
+    last iteration's reduced gradients hold inf/NaN, the same answer on every
+    rank since all decode the same bytes).
     """
 
     def __init__(self, named_params, owner: str, *, bucket_cap_mb: float, first_bucket_mb: float,
                  overlap: bool, find_unused: bool, as_view: bool, should_sync, wait_at_end: bool,
-                 compression=None):
+                 compression=None, tracer=None):
         self.rt = runtime(owner)
         self.owner = owner
         self.names = [n for n, _ in named_params]
@@ -129,7 +148,9 @@ class Reducer:
         self.as_view = as_view
         self.should_sync = should_sync
         self.wait_at_end = wait_at_end
-        self.stats = {"bytes_sent": 0, "bytes_recv": 0, "allreduces": 0, "iterations": 0}
+        self.stats = {"bytes_sent": 0, "bytes_recv": 0, "allreduces": 0, "iterations": 0,
+                      "exposed_wait_ns": 0}
+        self.tracer = tracer
         self._tail_len = len(self.params) if find_unused else 1
         self._relaid_out = False
         self._layout(list(reversed(range(len(self.params)))))
@@ -156,6 +177,9 @@ class Reducer:
                 self.bucket_of[i] = b
                 self.slot_of[i] = k
         self.order = order
+        if self.tracer is not None:
+            self.tracer.layout([s.numel * params[s.members[0]].element_size() for s in specs],
+                               [[self.names[i] for i in s.members] for s in specs])
 
     def layout(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""
@@ -245,8 +269,11 @@ class Reducer:
         if not b.direct:
             self._copy_in(i, p, b)
         b.pending -= 1
-        if b.pending == 0 and self.overlap:
-            self._launch_in_order()
+        if b.pending == 0:
+            if self.tracer is not None:
+                self.tracer.bucket_ready(b.spec.index)
+            if self.overlap:
+                self._launch_in_order()
         self.rt.engine.progress()
 
     def _begin(self) -> None:
@@ -254,6 +281,8 @@ class Reducer:
         self._reset()
         self._active = True
         self._sync = sync
+        if self.tracer is not None:
+            self.tracer.backward_begin()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _adopt(self, i, p, b) -> None:
@@ -287,10 +316,15 @@ class Reducer:
             t = b.flat
             if b.tail is not None:
                 self._fill_tail(b.tail)
-        name = f"bucket{b.spec.index}"
+        index = b.spec.index
+        name = f"bucket{index}"
         comp = self.compressor
+        on_step = None if self.tracer is None else self.tracer.ring_callback(index)
+        b.stats = {}
         if comp is None:
-            b.handle = allreduce_async(t, op="avg", name=name, check=False, stats=self.stats)
+            b.payload = b.spec.numel * t.element_size()
+            b.handle = allreduce_async(t, op="avg", name=name, check=False, stats=b.stats,
+                                       on_step=on_step)
         else:
             # the control tail (counts, presence flags) must survive exactly: it travels
             # uncompressed, as its own tiny allreduce right after the bucket
@@ -300,10 +334,12 @@ class Reducer:
             if state is None:
                 state = comp.new_state(grads.numel(), self.rt.size, self.rt.rank, name=name)
                 self.compression_states[key] = state
-            b.handle = allreduce_async(grads, op="avg", name=name, check=False, stats=self.stats,
-                                       compression=comp, state=state)
+            b.payload = _payload_nbytes(comp, state, grads.numel(), self.rt.size)
+            b.handle = allreduce_async(grads, op="avg", name=name, check=False, stats=b.stats,
+                                       compression=comp, state=state, on_step=on_step)
             if b.tail is not None:
-                b.tail_handle = allreduce_async(b.tail, op="avg", name=f"{name}.tail", check=False)
+                b.tail_handle = allreduce_async(b.tail, op="avg", name=f"{name}.tail", check=False,
+                                                stats=b.stats)
         self.stats["allreduces"] += 1
         self._launched.append(b)
 
@@ -317,6 +353,8 @@ class Reducer:
     # -- end of backward -------------------------------------------------------------------
     def _end_of_backward(self) -> None:
         self._active = False
+        if self.tracer is not None:
+            self.tracer.backward_end()
         if not self._sync:
             return
         self.flush()
@@ -336,6 +374,8 @@ class Reducer:
                     b.views[self.slot_of[i]].zero_()
                 else:
                     self._copy_in(i, p, b)
+                if b.pending and self.tracer is not None:
+                    self.tracer.bucket_ready(b.spec.index)
                 b.pending = 0
         self._launch_in_order()
         self.rt.engine.progress()
@@ -350,6 +390,7 @@ class Reducer:
     def finish(self) -> None:
         """Wait for every launched bucket (in order) and put the averages in ``.grad``."""
         launched = self._launched
+        t0 = perf_counter_ns()
         try:
             for b in launched:
                 b.handle.wait()
@@ -358,6 +399,8 @@ class Reducer:
         except Exception:
             self._reset()
             raise
+        t1 = perf_counter_ns()
+        self._account(launched, t0, t1)
         tail = self.buckets[-1].tail.tolist()
         missing, seen = self._missing, self._seen
         self._reset()
@@ -380,6 +423,24 @@ class Reducer:
                         p.grad.copy_(view)
         if seen and not self._relaid_out:
             self._relayout(seen)
+
+    def _account(self, launched, t0: int, t1: int) -> None:
+        """Add the iteration's wire bytes and exposed wait to ``stats``; trace them."""
+        stats, tracer = self.stats, self.tracer
+        stats["exposed_wait_ns"] += t1 - t0
+        nonfinite = False
+        codec = 0 if tracer is None or self.compressor is None else tracer.codec_id(self.compressor.name)
+        for b in launched:
+            sent, recv = b.stats.get("bytes_sent", 0), b.stats.get("bytes_recv", 0)
+            stats["bytes_sent"] += sent
+            stats["bytes_recv"] += recv
+            nonfinite = nonfinite or b.stats.get("nonfinite", False)
+            if tracer is not None:
+                tracer.bucket_done(b.spec.index, b.handle, b.payload, sent, recv, codec)
+        if launched and "nonfinite" in launched[0].stats:
+            stats["nonfinite"] = nonfinite
+        if tracer is not None:
+            tracer.exposed(t0, t1)
 
     def _raise_unused(self, missing: list[int]) -> None:
         names = [self.names[i] for i in missing]

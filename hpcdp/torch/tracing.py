@@ -1,0 +1,173 @@
+"""What :class:`~hpcdp.DistributedDataParallel` records into a trace.
+
+:class:`StepTracer` turns the moments the wrapper and the reducer observe into
+events of an :mod:`hpcdp.trace` recorder (layout: ``docs/trace-format.md``):
+
+- FORWARD: the wrapped module's ``forward``.
+- BACKWARD: from the first gradient of the loss output (a hook on the forward
+  output; the first parameter gradient where the output has none) to the end
+  of backward (the autograd engine's final callback).
+- BUCKET_READY when a bucket's last gradient arrived; BUCKET_COMM from the
+  moment the progress engine started the bucket's allreduce to its completion,
+  with the payload (bytes handed to the allreduce, after compression) and this
+  rank's wire bytes; RING_STEP (level 2) for every ring step of it.
+- EXPOSED_WAIT: end of backward to every bucket reduced, the communication the
+  step had to wait for.
+- OPTIMIZER: ``step()`` of any ``torch.optim`` optimizer holding the model's
+  parameters (global optimizer step hooks, removed by :meth:`close`).
+- STEP: from the first forward of a step to the end of its optimizer step;
+  without an optimizer over these parameters, to the end of the exposed wait of
+  the step's synchronised backward, closed by the next forward. Backward passes
+  under ``no_sync()`` belong to the step they accumulate for.
+
+Nothing here runs unless tracing is on: the reducer holds ``None`` otherwise.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
+
+from ..trace.format import EventKind
+
+__all__ = ["StepTracer"]
+
+_FORWARD = int(EventKind.FORWARD)
+_BACKWARD = int(EventKind.BACKWARD)
+_EXPOSED = int(EventKind.EXPOSED_WAIT)
+_OPTIMIZER = int(EventKind.OPTIMIZER)
+
+
+def _first_grad_tensor(out):
+    """The first tensor in a forward output (tensors, sequences, dicts) that requires grad."""
+    if isinstance(out, torch.Tensor):
+        return out if out.requires_grad else None
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (list, tuple)) else ()
+    for item in items:
+        t = _first_grad_tensor(item)
+        if t is not None:
+            return t
+    return None
+
+
+class StepTracer:
+    """Records one wrapped model's steps into ``recorder`` (see the module docstring)."""
+
+    def __init__(self, recorder, params):
+        self.rec = recorder
+        self.now = recorder.now
+        self.ring_steps = recorder.level >= 2
+        self.step = 0
+        self._t_step = None          # start of the open step; None: no step open
+        self._t_end = 0              # end of the open step's synchronised wait
+        self._synced = False         # the open step had its synchronised backward
+        self._t_bwd = None           # start of the backward under way
+        self._t_opt = None
+        self._ours = frozenset(id(p) for p in params)
+        self._is_ours = weakref.WeakKeyDictionary()   # optimizer -> holds our parameters
+        self._optimizer_ends_steps = False
+        self._hooks = (register_optimizer_step_pre_hook(self._optimizer_pre),
+                       register_optimizer_step_post_hook(self._optimizer_post))
+
+    # -- wrapper ---------------------------------------------------------------------
+    def forward_begin(self) -> int:
+        t = self.now()
+        if self._t_step is not None and self._synced and not self._optimizer_ends_steps:
+            self._end_step(self._t_end)
+        if self._t_step is None:
+            self._t_step = t
+        return t
+
+    def forward_end(self, t0: int, out) -> None:
+        self.rec.span(_FORWARD, t0, self.now(), self.step)
+        t = _first_grad_tensor(out)
+        if t is not None:
+            t.register_hook(self._loss_grad)
+
+    def _loss_grad(self, grad):
+        if self._t_bwd is None:
+            self._t_bwd = self.now()
+
+    # -- reducer -----------------------------------------------------------------------
+    def backward_begin(self) -> None:
+        """First parameter gradient of a backward pass."""
+        if self._t_bwd is None:
+            self._t_bwd = self.now()
+
+    def backward_end(self) -> None:
+        t = self.now()
+        if self._t_step is None:   # backward without a traced forward (e.g. reduce_now)
+            self._t_step = t
+        self.rec.span(_BACKWARD, t if self._t_bwd is None else self._t_bwd, t, self.step)
+        self._t_bwd = None
+
+    def bucket_ready(self, index: int) -> None:
+        self.rec.ready(self.now(), self.step, index)
+
+    def ring_callback(self, index: int):
+        """``on_step`` for the bucket's allreduce (level 2), else None."""
+        if not self.ring_steps:
+            return None
+        rec, step = self.rec, self.step
+
+        def on_step(i, t0, t1, sent, recv):
+            rec.ring(t0, t1, step, index, i, recv, sent, recv)
+        return on_step
+
+    def bucket_done(self, index: int, handle, payload: int, sent: int, recv: int, codec: int) -> None:
+        self.rec.comm(handle.t_start, handle.t_end, self.step, index, payload, sent, recv, codec)
+
+    def exposed(self, t0: int, t1: int) -> None:
+        self.rec.span(_EXPOSED, t0, t1, self.step)
+        self._t_end = t1
+        self._synced = True
+
+    def layout(self, nbytes, names) -> None:
+        """The bucket layout: gradient bytes and parameter names per bucket."""
+        self.rec.set_buckets(nbytes, [len(n) for n in names])
+        self.rec.set_meta(bucket_parameters=names)
+
+    def codec_id(self, name: str) -> int:
+        return self.rec.codec_id(name)
+
+    # -- optimizer -----------------------------------------------------------------------
+    def _holds_ours(self, optimizer) -> bool:
+        ours = self._is_ours.get(optimizer)
+        if ours is None:
+            ours = any(id(p) in self._ours for g in optimizer.param_groups for p in g["params"])
+            self._is_ours[optimizer] = ours
+        return ours
+
+    def _optimizer_pre(self, optimizer, args, kwargs) -> None:
+        if self._holds_ours(optimizer):
+            self._t_opt = self.now()
+
+    def _optimizer_post(self, optimizer, args, kwargs) -> None:
+        if self._t_opt is None or not self._holds_ours(optimizer):
+            return
+        t = self.now()
+        self.rec.span(_OPTIMIZER, self._t_opt, t, self.step)
+        self._t_opt = None
+        self._optimizer_ends_steps = True
+        if self._t_step is None:
+            self._t_step = t
+        self._end_step(t)
+
+    # -- end ---------------------------------------------------------------------------
+    def _end_step(self, t1: int) -> None:
+        self.rec.step(self._t_step, t1, self.step)
+        self.step += 1
+        self._t_step = None
+        self._synced = False
+
+    def close(self) -> None:
+        """End an open synchronised step, write everything, close the file (idempotent)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = ()
+        if self._t_step is not None and self._synced:
+            self._end_step(self._t_end)
+        self._t_step = None
+        self.rec.close()
