@@ -184,3 +184,32 @@ def test_tracing_is_off_without_path_or_variable(rt, monkeypatch):
 def test_a_bad_trace_argument_is_refused(rt):
     with pytest.raises(TypeError, match="trace must be a directory path"):
         hpcdp.DistributedDataParallel(_model(), trace=42)
+
+
+def test_distributed_optimizer_records_steps_from_backward_to_update(rt, mpi_tmp_path):
+    run = _run_dir(mpi_tmp_path, "optimizer")
+    model = _model()
+    hpcdp.broadcast_parameters(model.state_dict(), root=0)
+    opt = hpcdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                     named_parameters=model.named_parameters(),
+                                     backward_passes_per_step=2, trace=run)
+    g = torch.Generator().manual_seed(hpcdp.rank())
+    for _ in range(3):
+        for _ in range(2):
+            x, y = torch.randn(8, 24, generator=g), torch.randint(0, 5, (8,), generator=g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.close_trace()
+    hpcdp.barrier()
+    t = load(run)
+    assert t.complete and t.check() == []
+    for r in t.ranks:
+        assert r.meta["owner"] == "hpcdp.DistributedOptimizer"
+        assert r.of_kind(K.STEP)["step"].tolist() == [0, 1, 2]
+        assert r.of_kind(K.BACKWARD)["step"].tolist() == [0, 0, 1, 1, 2, 2]
+        assert r.of_kind(K.EXPOSED_WAIT)["step"].tolist() == [0, 1, 2]
+        assert r.of_kind(K.OPTIMIZER)["step"].tolist() == [0, 1, 2]
+        assert len(r.of_kind(K.FORWARD)) == 0
+        steps, backward = r.of_kind(K.STEP), r.of_kind(K.BACKWARD)
+        assert steps["t0"].tolist() == backward["t0"][::2].tolist()

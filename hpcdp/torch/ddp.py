@@ -12,34 +12,18 @@ while backward is still computing (see :mod:`hpcdp.torch.reducer`).
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
-import os
 
 import torch
 
 from .._runtime import init, is_initialized, runtime
-from .functions import broadcast_tensors, check_same_across_ranks, control_comm, tensor_signature
+from .functions import broadcast_tensors, check_same_across_ranks, tensor_signature
 from .reducer import Reducer
-from .tracing import StepTracer
+from .tracing import open_step_tracer
 
 __all__ = ["DistributedDataParallel"]
 
 _OWNER = "hpcdp.DistributedDataParallel"
-
-
-def _open_trace(rt, trace):
-    """The recorder for ``trace`` (a run directory, ``None`` for ``$HPCDP_TRACE``, or a
-    recorder); collective. ``None`` when tracing is off."""
-    from ..trace import open_recorder
-    if trace is None or isinstance(trace, (str, os.PathLike)):
-        rec = open_recorder(control_comm(rt), trace)
-    elif callable(getattr(trace, "comm", None)) and callable(getattr(trace, "span", None)):
-        rec = trace
-    else:
-        raise TypeError(f"{_OWNER}: trace must be a directory path, None or an hpcdp.trace "
-                        f"recorder, got {type(trace).__name__}")
-    return rec if rec.enabled else None
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -100,26 +84,16 @@ class DistributedDataParallel(torch.nn.Module):
         broadcast_tensors([p for _, p in named + frozen] + [b for _, b in buffers], root=0)
         self._synced_buffers = [b for _, b in buffers]
         self._size = rt.size
-        rec = _open_trace(rt, trace)
-        self._tracer = None if rec is None else StepTracer(rec, [p for _, p in named])
         self.reducer = Reducer(named, _OWNER, bucket_cap_mb=bucket_cap_mb,
                                first_bucket_mb=first_bucket_mb, overlap=overlap,
                                find_unused=find_unused_parameters, as_view=gradient_as_bucket_view,
                                should_sync=lambda: self._require_sync, wait_at_end=True,
-                               compression=compression, tracer=self._tracer)
-        if rec is not None:
-            comp = self.reducer.compressor
-            rec.set_meta(
-                owner=_OWNER, parameter_count=sum(p.numel() for _, p in named),
-                parameters=len(named), gradient_bytes=sum(p.numel() * p.element_size() for _, p in named),
-                compression="none" if comp is None else comp.name,
-                config={"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb,
-                        "overlap": overlap, "find_unused_parameters": find_unused_parameters,
-                        "broadcast_buffers": broadcast_buffers,
-                        "gradient_as_bucket_view": gradient_as_bucket_view,
-                        "progress": rt.engine.mode, "device": str(next(iter(devices), "cpu"))},
-                hostnames=rt.hostnames)
-            atexit.register(self._tracer.close)
+                               compression=compression)
+        self._tracer = open_step_tracer(rt, trace, _OWNER, named, compression, {
+            "bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
+            "find_unused_parameters": find_unused_parameters, "broadcast_buffers": broadcast_buffers,
+            "gradient_as_bucket_view": gradient_as_bucket_view})
+        self.reducer.attach_tracer(self._tracer)
 
     def forward(self, *args, **kwargs):
         tracer = self._tracer
@@ -142,9 +116,9 @@ class DistributedDataParallel(torch.nn.Module):
         """Write what the trace holds and close this rank's file (not collective;
         idempotent; a no-op without tracing)."""
         if self._tracer is not None:
-            tracer, self._tracer, self.reducer.tracer = self._tracer, None, None
+            tracer, self._tracer = self._tracer, None
+            self.reducer.attach_tracer(None)
             tracer.close()
-            atexit.unregister(tracer.close)
 
     @contextlib.contextmanager
     def no_sync(self):

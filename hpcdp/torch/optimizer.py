@@ -23,6 +23,7 @@ import torch
 from .._runtime import init, is_initialized, runtime
 from .functions import check_same_across_ranks, tensor_signature
 from .reducer import Reducer
+from .tracing import open_step_tracer
 
 __all__ = ["DistributedOptimizer"]
 
@@ -33,7 +34,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class."""
 
     def _hpcdp_setup(self, named_parameters, backward_passes_per_step, bucket_cap_mb,
-                     first_bucket_mb, overlap, compression):
+                     first_bucket_mb, overlap, compression, trace):
         rt = runtime(_OWNER)
         self._hpcdp_passes = 0
         self._hpcdp_passes_per_step = backward_passes_per_step
@@ -45,6 +46,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                       find_unused=True, as_view=False,
                                       should_sync=self._hpcdp_count_pass, wait_at_end=False,
                                       compression=compression)
+        self._hpcdp_tracer = open_step_tracer(rt, trace, _OWNER, named_parameters, compression, {
+            "bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
+            "backward_passes_per_step": backward_passes_per_step})
+        self._hpcdp_reducer.attach_tracer(self._hpcdp_tracer)
+
+    def close_trace(self) -> None:
+        """Write what the trace holds and close this rank's file (not collective;
+        idempotent; a no-op without tracing)."""
+        if self._hpcdp_tracer is not None:
+            tracer, self._hpcdp_tracer = self._hpcdp_tracer, None
+            self._hpcdp_reducer.attach_tracer(None)
+            tracer.close()
 
     def _hpcdp_count_pass(self) -> bool:
         self._hpcdp_passes += 1
@@ -98,7 +111,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step: int = 1, bucket_cap_mb: float = 25,
-                         first_bucket_mb: float = 1, overlap: bool = True):
+                         first_bucket_mb: float = 1, overlap: bool = True, trace=None):
     """Return a distributed version of ``optimizer`` (an instance of a subclass of its class).
 
     The result shares ``param_groups`` and ``state`` with ``optimizer``: use the
@@ -106,7 +119,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     that errors can name tensors; every parameter of the optimizer must be in
     it. ``backward_passes_per_step``: backward passes accumulated locally before
     the average (``step()`` after fewer averages what is there).
-    ``compression``: as for :class:`~hpcdp.DistributedDataParallel`.
+    ``compression`` and ``trace``: as for :class:`~hpcdp.DistributedDataParallel`
+    (steps run from the first gradient to the end of ``step()``; there is no
+    forward to see). :meth:`close_trace` closes the trace file.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{_OWNER} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -142,5 +157,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     dist = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)
     dist._hpcdp_setup(named, backward_passes_per_step, bucket_cap_mb, first_bucket_mb, overlap,
-                      compression)
+                      compression, trace)
     return dist

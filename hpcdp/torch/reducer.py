@@ -105,9 +105,7 @@ class Reducer:
     ``should_sync()`` is asked once per backward pass (at its first hook)
     whether this pass averages gradients. ``wait_at_end``: wait for the
     reductions in the end-of-backward callback (DDP) instead of in
-    :meth:`finish` called by the owner (the optimizer). ``tracer``: a
-    :class:`~hpcdp.torch.tracing.StepTracer` told about backward, buckets and
-    the exposed wait (None: no tracing).
+    :meth:`finish` called by the owner (the optimizer). See :meth:`attach_tracer`.
 
     ``stats`` holds cumulative ``bytes_sent``, ``bytes_recv``, ``allreduces``,
     synchronised ``iterations`` and ``exposed_wait_ns`` (time spent waiting for
@@ -118,7 +116,7 @@ class Reducer:
 
     def __init__(self, named_params, owner: str, *, bucket_cap_mb: float, first_bucket_mb: float,
                  overlap: bool, find_unused: bool, as_view: bool, should_sync, wait_at_end: bool,
-                 compression=None, tracer=None):
+                 compression=None):
         self.rt = runtime(owner)
         self.owner = owner
         self.names = [n for n, _ in named_params]
@@ -150,7 +148,7 @@ class Reducer:
         self.wait_at_end = wait_at_end
         self.stats = {"bytes_sent": 0, "bytes_recv": 0, "allreduces": 0, "iterations": 0,
                       "exposed_wait_ns": 0}
-        self.tracer = tracer
+        self.tracer = None
         self._tail_len = len(self.params) if find_unused else 1
         self._relaid_out = False
         self._layout(list(reversed(range(len(self.params)))))
@@ -178,8 +176,18 @@ class Reducer:
                 self.slot_of[i] = k
         self.order = order
         if self.tracer is not None:
-            self.tracer.layout([s.numel * params[s.members[0]].element_size() for s in specs],
-                               [[self.names[i] for i in s.members] for s in specs])
+            self._trace_layout()
+
+    def attach_tracer(self, tracer) -> None:
+        """Report backward, buckets and waits to ``tracer`` (a
+        :class:`~hpcdp.torch.tracing.StepTracer`; None: stop)."""
+        self.tracer = tracer
+        if tracer is not None:
+            self._trace_layout()
+
+    def _trace_layout(self) -> None:
+        self.tracer.layout([b.spec.numel * self.params[b.members[0]].element_size() for b in self.buckets],
+                           self.layout())
 
     def layout(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""

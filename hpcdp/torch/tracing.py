@@ -18,12 +18,16 @@ events of an :mod:`hpcdp.trace` recorder (layout: ``docs/trace-format.md``):
 - STEP: from the first forward of a step to the end of its optimizer step;
   without an optimizer over these parameters, to the end of the exposed wait of
   the step's synchronised backward, closed by the next forward. Backward passes
-  under ``no_sync()`` belong to the step they accumulate for.
+  under ``no_sync()`` belong to the step they accumulate for. Under
+  :func:`~hpcdp.DistributedOptimizer` there is no forward to see: a step starts
+  with its first backward.
 
 Nothing here runs unless tracing is on: the reducer holds ``None`` otherwise.
 """
 from __future__ import annotations
 
+import atexit
+import os
 import weakref
 
 import torch
@@ -31,8 +35,9 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from ..trace.format import EventKind
+from .functions import control_comm
 
-__all__ = ["StepTracer"]
+__all__ = ["StepTracer", "open_step_tracer"]
 
 _FORWARD = int(EventKind.FORWARD)
 _BACKWARD = int(EventKind.BACKWARD)
@@ -50,6 +55,34 @@ def _first_grad_tensor(out):
         if t is not None:
             return t
     return None
+
+
+def open_step_tracer(rt, trace, owner: str, named_params, compression, config: dict):
+    """Collective: the :class:`StepTracer` for ``owner``'s parameters, or None when
+    tracing is off. ``trace``: a run directory, ``None`` (``$HPCDP_TRACE`` if set)
+    or a recorder from :func:`hpcdp.trace.open_recorder`. The run metadata is set
+    here; the file is closed at interpreter exit unless closed before."""
+    from ..compress import get_compressor
+    from ..trace import open_recorder
+    if trace is None or isinstance(trace, (str, os.PathLike)):
+        rec = open_recorder(control_comm(rt), trace)
+    elif callable(getattr(trace, "comm", None)) and callable(getattr(trace, "span", None)):
+        rec = trace
+    else:
+        raise TypeError(f"{owner}: trace must be a directory path, None or an hpcdp.trace "
+                        f"recorder, got {type(trace).__name__}")
+    if not rec.enabled:
+        return None
+    params = [p for _, p in named_params]
+    rec.set_meta(owner=owner, parameter_count=sum(p.numel() for p in params), parameters=len(params),
+                 gradient_bytes=sum(p.numel() * p.element_size() for p in params),
+                 compression="none" if compression is None else get_compressor(compression).name,
+                 config={**config, "progress": rt.engine.mode,
+                         "device": str(params[0].device) if params else "cpu"},
+                 hostnames=rt.hostnames)
+    tracer = StepTracer(rec, params)
+    atexit.register(tracer.close)
+    return tracer
 
 
 class StepTracer:
@@ -98,8 +131,8 @@ class StepTracer:
 
     def backward_end(self) -> None:
         t = self.now()
-        if self._t_step is None:   # backward without a traced forward (e.g. reduce_now)
-            self._t_step = t
+        if self._t_step is None:   # no traced forward: DistributedOptimizer, reduce_now
+            self._t_step = t if self._t_bwd is None else self._t_bwd
         self.rec.span(_BACKWARD, t if self._t_bwd is None else self._t_bwd, t, self.step)
         self._t_bwd = None
 
@@ -164,6 +197,7 @@ class StepTracer:
 
     def close(self) -> None:
         """End an open synchronised step, write everything, close the file (idempotent)."""
+        atexit.unregister(self.close)
         for h in self._hooks:
             h.remove()
         self._hooks = ()
