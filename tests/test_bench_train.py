@@ -1,5 +1,5 @@
 """``hpcdp-bench train`` under mpirun -np 2: every mode runs and reports (serial test;
-no timings are asserted, only what the records say)."""
+no timings are asserted, only what the records say and how their fields relate)."""
 import json
 
 import pytest
@@ -9,7 +9,23 @@ from launch import run_mpi
 pytest.importorskip("torch")
 
 REQUIRED = {"bench", "model", "mode", "np", "global_batch", "compression", "step_time_s",
-            "samples_per_s", "bytes_sent_per_step"}
+            "samples_per_s", "bytes_sent_per_step", "exposed_comm_s"}
+
+
+def records(p):
+    assert p.returncode == 0, p.stdout + p.stderr
+    recs = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    return [r for r in recs if r["bench"] == "train"], [r for r in recs if r["bench"] == "train-summary"]
+
+
+def check_exposed(r):
+    """exposed_comm_s: a float in [0, step time]; 0 without communication; for naive (its
+    blocking allreduce after backward, inside the timed step) at most the step time."""
+    assert isinstance(r["exposed_comm_s"], float) and r["exposed_comm_s"] >= 0, r
+    if r["mode"] == "single":
+        assert r["exposed_comm_s"] == 0, r
+    if r["mode"] == "naive":
+        assert 0 < r["exposed_comm_s"] <= r["step_time_s"], r
 
 
 @pytest.mark.timeout(240)
@@ -18,9 +34,7 @@ def test_all_modes_and_the_bucket_sweep_report_one_record_each():
     p = run_mpi(2, ["-m", "hpcdp.cli.bench", "train", "--model", "mlp-small", "--global-batch", "64",
                     "--steps", "2", "--warmup", "1", "--rounds", "2", "--bucket-sweep", "1",
                     "--modes", "single,naive,hpcdp,hpcdp-sync,hpcdp-copy,ddp"], timeout=200)
-    assert p.returncode == 0, p.stdout + p.stderr
-    recs = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    train = [r for r in recs if r["bench"] == "train"]
+    train, summary = records(p)
     assert [(r["mode"], r.get("bucket_cap_mb")) for r in train] == [
         ("single", None), ("naive", None), ("hpcdp", 25.0), ("hpcdp-sync", 25.0), ("hpcdp-copy", 25.0),
         ("ddp", None), ("hpcdp", 1.0)]
@@ -30,6 +44,7 @@ def test_all_modes_and_the_bucket_sweep_report_one_record_each():
         assert r["np"] == (1 if r["mode"] == "single" else 2)
         assert r["step_time_min_s"] <= r["step_time_s"] <= r["step_time_max_s"]
         assert r["samples_per_s"] == pytest.approx(64 / r["step_time_s"])
+        check_exposed(r)
     by_mode = {(r["mode"], r.get("bucket_cap_mb")): r for r in train}
     assert by_mode[("single", None)]["bytes_sent_per_step"] == 0
     assert by_mode[("naive", None)]["bytes_sent_per_step"] is None
@@ -38,8 +53,31 @@ def test_all_modes_and_the_bucket_sweep_report_one_record_each():
     expected = (parameter_count("mlp-small") + 1) * 4
     for key in (("hpcdp", 25.0), ("hpcdp-sync", 25.0), ("hpcdp-copy", 25.0), ("hpcdp", 1.0)):
         assert by_mode[key]["bytes_sent_per_step"] == pytest.approx(expected, rel=1e-5)
-    summary = [r for r in recs if r["bench"] == "train-summary"]
-    assert len(summary) == 1 and {"hpcdp_over_naive", "hpcdp_over_ddp"} <= set(summary[0])
+    assert len(summary) == 1 and {"hpcdp_over_naive", "hpcdp_over_ddp", "exposed_hpcdp_over_naive",
+                                  "exposed_hpcdp_over_ddp"} <= set(summary[0])
+
+
+@pytest.mark.timeout(120)
+def test_compressors_side_by_side_in_one_run():
+    """--compression none,fp16,onebit: each hpcdp mode once per compressor, interleaved with
+    naive in the same rounds; the bytes come from the ring's counters."""
+    p = run_mpi(2, ["-m", "hpcdp.cli.bench", "train", "--model", "digits", "--global-batch", "32",
+                    "--steps", "2", "--warmup", "1", "--bucket-sweep", "", "--modes", "naive,hpcdp",
+                    "--compression", "none,fp16,onebit"], timeout=100)
+    train, summary = records(p)
+    assert [(r["mode"], r["compression"]) for r in train] == [
+        ("naive", None), ("hpcdp", None), ("hpcdp", "fp16"), ("hpcdp", "onebit")]
+    for r in train:
+        assert REQUIRED <= set(r), r
+        assert r["steps"] == 2 and r["warmup"] == 1 and r["rounds"] == 2
+        check_exposed(r)
+    sent = {r["compression"]: r["bytes_sent_per_step"] for r in train if r["mode"] == "hpcdp"}
+    assert all(isinstance(v, float) and v > 0 for v in sent.values()), sent
+    assert sent["fp16"] < 0.6 * sent[None] and sent["onebit"] < 0.1 * sent[None], sent
+    assert len(summary) == 1 and summary[0]["hpcdp_compression"] is None
+    assert {"hpcdp_over_naive", "paired_hpcdp_over_naive", "exposed_hpcdp_over_naive",
+            "hpcdp_fp16_over_hpcdp_none", "paired_hpcdp_fp16_over_hpcdp_none",
+            "hpcdp_onebit_over_hpcdp_none", "paired_hpcdp_onebit_over_hpcdp_none"} <= set(summary[0])
 
 
 @pytest.mark.timeout(120)
@@ -49,3 +87,10 @@ def test_bad_arguments_exit_2():
     p = run_mpi(2, ["-m", "hpcdp.cli.bench", "train", "--model", "digits", "--modes", "hpcdp",
                     "--bucket-mb", "0", "--steps", "1"], timeout=60)
     assert p.returncode == 2 and "bucket_cap_mb and first_bucket_mb must be > 0" in p.stderr
+
+
+@pytest.mark.parametrize("spec", ["none,int8", "fp16,fp16"])
+def test_bad_compression_list_exits_2_before_mpi(spec, capsys):
+    from hpcdp.cli.bench_train import main
+    assert main(["--compression", spec]) == 2
+    assert "--compression takes distinct names from none, fp16, bf16, onebit" in capsys.readouterr().err

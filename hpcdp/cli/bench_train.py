@@ -4,6 +4,7 @@ peers in the same run (same ranks, model, initialisation, data and batches).
 Run under the launcher, e.g.::
 
     mpirun -np 2 hpcdp-bench train --model mlp-large --global-batch 1024
+    srun --mpi=pmi2 -N 2 -n 2 python -m hpcdp.cli.bench train ...   # tools/cluster/bench_train.py
 
 Modes:
 
@@ -15,26 +16,46 @@ Modes:
 ``hpcdp-copy``  the same with ``gradient_as_bucket_view=False`` (copy out of buckets)
 ``ddp``         ``torch.nn.parallel.DistributedDataParallel`` on gloo (defaults)
 
-A step is ``zero_grad``, forward, cross-entropy, backward (plus the naive
-mode's reduction) and ``SGD.step``. Data: the seed notebook's synthetic data,
-4 pre-generated global batches, cycled. To spread drift on a shared machine
-evenly, the timed steps of all modes are interleaved: by default one step of
-each mode per round (A B C A B C ...), or ``--rounds`` blocks of steps. A
-step's time is the slowest rank's; the record gives the median over the timed
-steps (after ``--warmup`` untimed ones) and its min and max.
-``--bucket-sweep`` adds hpcdp runs at other bucket sizes.
+``--compression none,fp16,onebit`` runs every hpcdp mode once per listed
+compressor, in the same rounds as the other modes (``onebit`` is
+``OneBit(warmup_steps=0)``: it compresses from its first step). Naive and
+ddp always reduce in float32.
 
-Rank 0 prints one JSON object per model and mode::
+A step is ``zero_grad``, forward, cross-entropy, backward (plus the naive
+mode's reduction) and ``SGD.step``. Data: the seed notebook's synthetic data
+(as wide as the model's input, also for ``digits``), 4 pre-generated global
+batches, cycled. To spread drift on a shared machine
+evenly, the timed steps of all modes are interleaved: by default one step of
+each mode per round (A B C A B C ...), or ``--rounds`` blocks of steps. Each
+mode first runs ``--warmup`` untimed steps (JIT compilation of the
+compression kernels, allocations, the buckets' re-layout). A step's time is
+the slowest rank's; the record gives the median over the timed steps and its
+min and max. ``--bucket-sweep`` adds hpcdp runs at other bucket sizes.
+
+Rank 0 prints one JSON object per model and mode (and compressor)::
 
     {"bench": "train", "model": "mlp-large", "mode": "hpcdp", "np": 2, "global_batch": 1024,
-     "compression": null, "step_time_s": ..., "samples_per_s": ..., "bytes_sent_per_step": ...}
+     "compression": null, "step_time_s": ..., "samples_per_s": ..., "bytes_sent_per_step": ...,
+     "exposed_comm_s": ...}
 
 ``bytes_sent_per_step`` is rank 0's count from hpcdp's ring (0 for single,
-null where the transport does not tell: naive and ddp), and after each model
-a ``{"bench": "train-summary", ...}`` line with hpcdp's median step time over
-each peer's (``hpcdp_over_PEER``) and, with one step per mode per round, the
-median over rounds of the ratio of the two steps of the same round
-(``paired_hpcdp_over_PEER``: drift that lasts longer than a round cancels).
+null where the transport does not tell: naive and ddp). ``exposed_comm_s``
+is the communication time left after backward's computation: from the end
+of backward to averaged gradients in ``.grad``, per step the slowest rank's,
+median over the timed steps. naive: the blocking allreduces and the
+division after ``backward()``; hpcdp: the per-step increase of the
+reducer's ``exposed_wait_ns``; ddp: from the last gradient's accumulation
+(a post-accumulate-grad hook) to ``backward()`` returning, which is when
+torch DDP has waited for its allreduces and copied the averages into
+``.grad``; single: 0. A rank's figure includes waiting for a slower peer.
+
+After each model a ``{"bench": "train-summary", ...}`` line gives hpcdp's
+median step time over each peer's (``hpcdp_over_PEER``; hpcdp with the first
+listed compressor), the same for the exposed communication
+(``exposed_hpcdp_over_PEER``), each further compressor's step time over the
+first's (``hpcdp_C_over_hpcdp_C0``) and, with one step per mode per round,
+the median over rounds of the ratio of the two steps of the same round
+(``paired_...``: drift that lasts longer than a round cancels).
 """
 from __future__ import annotations
 
@@ -47,6 +68,7 @@ import time
 _DEFAULT_STEPS = {"mlp-small": (40, 5), "mlp-medium": (20, 3), "mlp-large": (12, 2),
                   "mlp-xlarge": (8, 2), "digits": (100, 10)}
 _MODES = ("single", "naive", "hpcdp", "hpcdp-sync", "hpcdp-copy", "ddp")
+_HPCDP_MODES = ("hpcdp", "hpcdp-sync", "hpcdp-copy")
 
 
 def _csv(text: str) -> list[str]:
@@ -54,6 +76,7 @@ def _csv(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..compress.registry import COMPRESSOR_NAMES
     from ..torch.zoo import MODELS
     ap = argparse.ArgumentParser(prog="hpcdp-bench train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -73,56 +96,84 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra hpcdp bucket sizes in MiB (comma-separated; '' for none)")
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    ap.add_argument("--compression", default="none", choices=["none", "fp16", "bf16", "onebit"],
-                    help="hpcdp gradient compression (default: none)")
+    ap.add_argument("--compression", default="none",
+                    help="hpcdp gradient compression, comma-separated from: " + ", ".join(COMPRESSOR_NAMES)
+                    + "; every hpcdp mode runs once per entry, in the same run (default: none)")
     return ap
+
+
+def _variants(modes, compressions, bucket_mb, sweep):
+    """``(mode, bucket MiB or None, compression or None)`` of every runner, in run order."""
+    out = []
+    for m in modes:
+        out += [(m, bucket_mb, c) for c in compressions] if m in _HPCDP_MODES else [(m, None, None)]
+    if "hpcdp" in modes:
+        out += [("hpcdp", v, c) for v in sweep if v != bucket_mb for c in compressions]
+    return out
 
 
 class _Runner:
     """One mode: its own model replica (same seed), optimizer and step function."""
 
-    def __init__(self, mode, model_name, args, rt, comms):
+    def __init__(self, variant, model_name, args, rt, comms):
         import torch
 
         import hpcdp
         from ..torch.zoo import build_model
-        self.mode = mode
-        self.bucket_mb = self.overlap = self.as_view = None
+        self.mode, self.bucket_mb, self.compression = variant
+        self.overlap = self.as_view = None
         self.rt = rt
         self.ddp = None
         self.native = comms["native"]
-        if mode.startswith("hpcdp"):
-            label, _, cap = mode.partition("@")
-            self.bucket_mb = float(cap) if cap else args.bucket_mb
-            self.overlap = label != "hpcdp-sync"
-            self.as_view = label != "hpcdp-copy"
         self.model = build_model(model_name, seed=0)
+        self.params = list(self.model.parameters())
         net = self.model
         if self.bucket_mb is not None:
-            compression = None if args.compression.lower() == "none" else args.compression
+            self.overlap = self.mode != "hpcdp-sync"
+            self.as_view = self.mode != "hpcdp-copy"
             self.ddp = net = hpcdp.DistributedDataParallel(self.model, bucket_cap_mb=self.bucket_mb,
-                                                           overlap=self.overlap, compression=compression,
+                                                           overlap=self.overlap, compression=self.compression,
                                                            gradient_as_bucket_view=self.as_view)
-        elif mode == "ddp":
+        elif self.mode == "ddp":
             comms["gloo"]()
             net = torch.nn.parallel.DistributedDataParallel(self.model)
+            self.last_grad_t = 0.0
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._stamp)
         self.net = net
         self.opt = torch.optim.SGD(net.parameters(), lr=args.lr)
-        self.params = list(self.model.parameters())
-        self.active = mode != "single" or rt.rank == 0
+        self.active = self.mode != "single" or rt.rank == 0
+        self.counter = 0
+        self.times, self.exposed = [], []
+        self.bytes_before = None
 
-    def step(self, x, y, scale: float) -> None:
+    def _stamp(self, _param) -> None:
+        self.last_grad_t = time.perf_counter()
+
+    def step(self, x, y, scale: float) -> float:
+        """One training step; returns its exposed communication time (s, see the module doc)."""
         import torch
         self.opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(self.net(x), y, reduction="sum") * scale
-        loss.backward()
-        if self.mode == "naive":
-            MPI = self.rt.MPI
-            for p in self.params:
-                g = p.grad.numpy()
-                self.native.Allreduce(MPI.IN_PLACE, g, op=MPI.SUM)
-                p.grad.div_(self.rt.size)
+        if self.ddp is not None:
+            waited = self.ddp.comm_stats["exposed_wait_ns"]
+            loss.backward()
+            exposed = (self.ddp.comm_stats["exposed_wait_ns"] - waited) * 1e-9
+        else:
+            loss.backward()
+            end = time.perf_counter()
+            if self.mode == "naive":
+                MPI = self.rt.MPI
+                for p in self.params:
+                    self.native.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
+                    p.grad.div_(self.rt.size)
+                exposed = time.perf_counter() - end
+            elif self.mode == "ddp":
+                exposed = end - self.last_grad_t
+            else:
+                exposed = 0.0
         self.opt.step()
+        return exposed
 
     def bytes_sent(self):
         if self.mode == "single":
@@ -145,27 +196,34 @@ def _sleep_until_all_arrive(comm) -> None:
         time.sleep(0.002)
 
 
-def _bench_model(model_name, modes, args, rt, comms, out) -> bool:
+def _ratios(num, den, paired: bool, key: str, out: dict, attr: str = "step_times") -> None:
+    """``out[key]``: median of ``num``'s per-step figures over ``den``'s; with ``paired``
+    also ``out["paired_" + key]``, the median of the per-round ratios."""
+    a, b = getattr(num, attr), getattr(den, attr)
+    if statistics.median(b) > 0:
+        out[key] = statistics.median(a) / statistics.median(b)
+    if paired and all(v > 0 for v in b):
+        out["paired_" + key] = statistics.median(x / y for x, y in zip(a, b))
+
+
+def _bench_model(model_name, variants, compressions, args, rt, comms) -> bool:
     import hpcdp
-    from ..torch.zoo import synthetic_batches
+    from ..torch.zoo import MODELS, synthetic_batches
     steps, warmup = _DEFAULT_STEPS.get(model_name, (10, 2))
     steps = args.steps or steps
     warmup = warmup if args.warmup < 0 else args.warmup
     rounds = steps if args.rounds <= 0 else max(1, min(args.rounds, steps))
     B, size, rank = args.global_batch, rt.size, rt.rank
-    batches = synthetic_batches(4, B, seed=42)
+    batches = synthetic_batches(4, B, seed=42, features=MODELS[model_name][0])
     lo, hi = _share(B, size, rank)
     local = [(x[lo:hi], y[lo:hi]) for x, y in batches]
     ctl = comms["native"]
     try:
-        runners = [_Runner(m, model_name, args, rt, comms) for m in modes]
+        runners = [_Runner(v, model_name, args, rt, comms) for v in variants]
     except ValueError as exc:  # the wrapper's argument errors: raised on every rank alike
         if rank == 0:
             print(f"hpcdp-bench train: {exc}", file=sys.stderr)
         return False
-    times = {r.mode: [] for r in runners}
-    bytes_before = {}
-    counter = {r.mode: 0 for r in runners}
 
     def run(r, n, record):
         if r.mode == "single" and rank != 0:
@@ -175,19 +233,20 @@ def _bench_model(model_name, modes, args, rt, comms, out) -> bool:
         if r.mode != "single":
             ctl.Barrier()
         for _ in range(n):
-            x, y = data[counter[r.mode] % len(data)]
-            counter[r.mode] += 1
+            x, y = data[r.counter % len(data)]
+            r.counter += 1
             t0 = time.perf_counter()
-            r.step(x, y, scale)
+            exposed = r.step(x, y, scale)
             dt = time.perf_counter() - t0
             if record:
-                times[r.mode].append(dt)
+                r.times.append(dt)
+                r.exposed.append(exposed)
         if r.mode == "single":
             _sleep_until_all_arrive(ctl)
 
     for r in runners:
         run(r, warmup, record=False)
-        bytes_before[r.mode] = r.bytes_sent()
+        r.bytes_before = r.bytes_sent()
     per_round = [steps // rounds + (1 if i < steps % rounds else 0) for i in range(rounds)]
     for n in per_round:
         for r in runners:
@@ -195,54 +254,66 @@ def _bench_model(model_name, modes, args, rt, comms, out) -> bool:
     for r in runners:  # every multi-rank mode must have kept its replicas identical
         if r.mode != "single":
             hpcdp.check_replicas(r.model)
-    # slowest rank per step (single: rank 0 only)
-    per_step = {}
-    for r in runners:
-        mine = times[r.mode] if r.active else [0.0] * steps
+    for r in runners:  # per step, the slowest rank (single: rank 0 only)
+        mine = (r.times, r.exposed) if r.active else ([0.0] * steps, [0.0] * steps)
         everyone = ctl.allgather(mine)
-        step_times = [max(ts[i] for ts in everyone) for i in range(steps)]
-        per_step[r.mode] = step_times
-        before, after = bytes_before[r.mode], r.bytes_sent()
+        r.step_times = [max(ts[i] for ts, _ in everyone) for i in range(steps)]
+        r.exposed_times = [max(ex[i] for _, ex in everyone) for i in range(steps)]
+        after = r.bytes_sent()
         if rank == 0:
-            med = statistics.median(step_times)
-            rec = {"bench": "train", "model": model_name, "mode": r.mode.partition("@")[0],
+            med = statistics.median(r.step_times)
+            rec = {"bench": "train", "model": model_name, "mode": r.mode,
                    "np": 1 if r.mode == "single" else size, "global_batch": B,
-                   "compression": None if args.compression.lower() == "none" else args.compression,
-                   "step_time_s": med, "samples_per_s": B / med,
-                   "bytes_sent_per_step": None if after is None else (after - before) / steps,
-                   "step_time_min_s": min(step_times), "step_time_max_s": max(step_times),
+                   "compression": r.compression, "step_time_s": med, "samples_per_s": B / med,
+                   "bytes_sent_per_step": None if after is None else (after - r.bytes_before) / steps,
+                   "exposed_comm_s": statistics.median(r.exposed_times),
+                   "step_time_min_s": min(r.step_times), "step_time_max_s": max(r.step_times),
                    "steps": steps, "warmup": warmup, "rounds": rounds, "threads": args.threads,
                    "mpi": rt.vendor}
             if r.bucket_mb is not None:
                 rec["bucket_cap_mb"] = r.bucket_mb
                 rec["overlap"] = r.overlap
                 rec["gradient_as_bucket_view"] = r.as_view
-            out.append(rec)
             print(json.dumps(rec), flush=True)
     if rank == 0:
-        med = {rec["mode"]: rec["step_time_s"] for rec in out
-               if rec["model"] == model_name and rec.get("bucket_cap_mb") in (None, args.bucket_mb)}
+        c0 = compressions[0]
+        ref = {(r.mode, r.compression): r for r in runners if r.bucket_mb in (None, args.bucket_mb)}
         summary = {"bench": "train-summary", "model": model_name, "np": size, "global_batch": B}
-        if "hpcdp" in med:
+        paired = rounds == steps  # step i of every mode ran in round i
+        hp = ref.get(("hpcdp", c0))
+        if hp is not None:
+            summary["hpcdp_compression"] = c0
             for peer in ("single", "naive", "ddp", "hpcdp-sync", "hpcdp-copy"):
-                if peer in med:
-                    summary[f"hpcdp_over_{peer}"] = med["hpcdp"] / med[peer]
-                    if rounds == steps:  # step i of every mode ran in round i: pair them
-                        summary[f"paired_hpcdp_over_{peer}"] = statistics.median(
-                            a / b for a, b in zip(per_step["hpcdp"], per_step[peer]))
+                other = ref.get((peer, c0 if peer in _HPCDP_MODES else None))
+                if other is not None:
+                    _ratios(hp, other, paired, f"hpcdp_over_{peer}", summary)
+                    if peer in ("naive", "ddp", "hpcdp-sync"):
+                        _ratios(hp, other, False, f"exposed_hpcdp_over_{peer}", summary, "exposed_times")
+            for c in compressions[1:]:
+                if ("hpcdp", c) in ref:
+                    _ratios(ref[("hpcdp", c)], hp, paired,
+                            f"hpcdp_{c or 'none'}_over_hpcdp_{c0 or 'none'}", summary)
         print(json.dumps(summary), flush=True)
     return True
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from ..compress.registry import COMPRESSOR_NAMES
     from ..torch.zoo import MODELS
     models = _csv(args.model)
     modes = _csv(args.modes)
+    comp_names = _csv(args.compression) or ["none"]
     bad = [m for m in models if m not in MODELS] + [m for m in modes if m not in _MODES]
     if bad:
         print(f"hpcdp-bench train: unknown model or mode: {', '.join(bad)}", file=sys.stderr)
         return 2
+    bad = [c for c in comp_names if c not in COMPRESSOR_NAMES]
+    if bad or len(set(comp_names)) != len(comp_names):
+        print(f"hpcdp-bench train: --compression takes distinct names from {', '.join(COMPRESSOR_NAMES)}, "
+              f"got {args.compression!r}", file=sys.stderr)
+        return 2
+    compressions = [None if c == "none" else c for c in comp_names]
     try:
         sweep = [float(v) for v in _csv(args.bucket_sweep)]
     except ValueError:
@@ -263,10 +334,8 @@ def main(argv=None) -> int:
         return 2
     native = rt.comm.Dup()
     comms = {"native": native, "gloo": lambda: gloo_group(rt)}
-    if "hpcdp" in modes:
-        modes = modes + [f"hpcdp@{v:g}" for v in sweep if v != args.bucket_mb]
-    out: list[dict] = []
-    ok = all(_bench_model(model_name, modes, args, rt, comms, out) for model_name in models)
+    variants = _variants(modes, compressions, args.bucket_mb, sweep)
+    ok = all(_bench_model(model_name, variants, compressions, args, rt, comms) for model_name in models)
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
