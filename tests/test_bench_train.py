@@ -94,3 +94,19 @@ def test_bad_compression_list_exits_2_before_mpi(spec, capsys):
     from hpcdp.cli.bench_train import main
     assert main(["--compression", spec]) == 2
     assert "--compression takes distinct names from none, fp16, bf16, onebit" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_traced_mode_writes_a_readable_trace_and_reports_its_overhead(tmp_path):
+    from hpcdp.trace import EventKind, load
+    p = run_mpi(2, ["-m", "hpcdp.cli.bench", "train", "--model", "mlp-small", "--global-batch", "64",
+                    "--steps", "3", "--warmup", "1", "--bucket-sweep", "", "--modes", "hpcdp,hpcdp-trace",
+                    "--trace-dir", str(tmp_path)], timeout=150)
+    train, summary = records(p)
+    assert [r["mode"] for r in train] == ["hpcdp", "hpcdp-trace"]
+    assert train[0]["bytes_sent_per_step"] == train[1]["bytes_sent_per_step"]
+    assert "hpcdp-trace_over_hpcdp" in summary[0] and "paired_hpcdp-trace_over_hpcdp" in summary[0]
+    t = load(tmp_path / "mlp-small-none-25mb")
+    assert t.complete and t.world_size == 2 and t.check() == []
+    for r in t.ranks:  # warm-up and timed steps, all recorded
+        assert r.of_kind(EventKind.STEP)["step"].tolist() == [0, 1, 2, 3]

@@ -14,6 +14,8 @@ Modes:
 ``hpcdp``       ``hpcdp.DistributedDataParallel``: buckets + overlap with backward
 ``hpcdp-sync``  the same with ``overlap=False`` (reduce after backward)
 ``hpcdp-copy``  the same with ``gradient_as_bucket_view=False`` (copy out of buckets)
+``hpcdp-trace`` ``hpcdp`` with tracing on (``trace=`` a directory under ``--trace-dir``;
+                level from ``HPCDP_TRACE_LEVEL``, default 1): the tracing overhead
 ``ddp``         ``torch.nn.parallel.DistributedDataParallel`` on gloo (defaults)
 
 ``--compression none,fp16,onebit`` runs every hpcdp mode once per listed
@@ -53,7 +55,8 @@ After each model a ``{"bench": "train-summary", ...}`` line gives hpcdp's
 median step time over each peer's (``hpcdp_over_PEER``; hpcdp with the first
 listed compressor), the same for the exposed communication
 (``exposed_hpcdp_over_PEER``), each further compressor's step time over the
-first's (``hpcdp_C_over_hpcdp_C0``) and, with one step per mode per round,
+first's (``hpcdp_C_over_hpcdp_C0``), the traced step over the untraced one
+(``hpcdp-trace_over_hpcdp``) and, with one step per mode per round,
 the median over rounds of the ratio of the two steps of the same round
 (``paired_...``: drift that lasts longer than a round cancels).
 """
@@ -61,14 +64,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 _DEFAULT_STEPS = {"mlp-small": (40, 5), "mlp-medium": (20, 3), "mlp-large": (12, 2),
                   "mlp-xlarge": (8, 2), "digits": (100, 10)}
-_MODES = ("single", "naive", "hpcdp", "hpcdp-sync", "hpcdp-copy", "ddp")
-_HPCDP_MODES = ("hpcdp", "hpcdp-sync", "hpcdp-copy")
+_MODES = ("single", "naive", "hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace", "ddp")
+_HPCDP_MODES = ("hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace")
 
 
 def _csv(text: str) -> list[str]:
@@ -99,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compression", default="none",
                     help="hpcdp gradient compression, comma-separated from: " + ", ".join(COMPRESSOR_NAMES)
                     + "; every hpcdp mode runs once per entry, in the same run (default: none)")
+    ap.add_argument("--trace-dir", default=None, metavar="DIR",
+                    help="where hpcdp-trace mode writes its traces, one run directory per model, "
+                         "compressor and bucket size (default: a temporary directory, removed at the end)")
     return ap
 
 
@@ -131,9 +140,14 @@ class _Runner:
         if self.bucket_mb is not None:
             self.overlap = self.mode != "hpcdp-sync"
             self.as_view = self.mode != "hpcdp-copy"
+            trace = None
+            if self.mode == "hpcdp-trace":
+                trace = os.path.join(comms["trace_dir"],
+                                     f"{model_name}-{self.compression or 'none'}-{self.bucket_mb:g}mb")
             self.ddp = net = hpcdp.DistributedDataParallel(self.model, bucket_cap_mb=self.bucket_mb,
                                                            overlap=self.overlap, compression=self.compression,
-                                                           gradient_as_bucket_view=self.as_view)
+                                                           gradient_as_bucket_view=self.as_view,
+                                                           trace=trace)
         elif self.mode == "ddp":
             comms["gloo"]()
             net = torch.nn.parallel.DistributedDataParallel(self.model)
@@ -254,6 +268,8 @@ def _bench_model(model_name, variants, compressions, args, rt, comms) -> bool:
     for r in runners:  # every multi-rank mode must have kept its replicas identical
         if r.mode != "single":
             hpcdp.check_replicas(r.model)
+        if r.ddp is not None:
+            r.ddp.close_trace()
     for r in runners:  # per step, the slowest rank (single: rank 0 only)
         mine = (r.times, r.exposed) if r.active else ([0.0] * steps, [0.0] * steps)
         everyone = ctl.allgather(mine)
@@ -289,6 +305,9 @@ def _bench_model(model_name, variants, compressions, args, rt, comms) -> bool:
                     _ratios(hp, other, paired, f"hpcdp_over_{peer}", summary)
                     if peer in ("naive", "ddp", "hpcdp-sync"):
                         _ratios(hp, other, False, f"exposed_hpcdp_over_{peer}", summary, "exposed_times")
+            traced = ref.get(("hpcdp-trace", c0))
+            if traced is not None:  # the tracing overhead: traced over untraced
+                _ratios(traced, hp, paired, "hpcdp-trace_over_hpcdp", summary)
             for c in compressions[1:]:
                 if ("hpcdp", c) in ref:
                     _ratios(ref[("hpcdp", c)], hp, paired,
@@ -333,9 +352,18 @@ def main(argv=None) -> int:
         print(f"hpcdp-bench train: --global-batch {args.global_batch} < {rt.size} ranks", file=sys.stderr)
         return 2
     native = rt.comm.Dup()
-    comms = {"native": native, "gloo": lambda: gloo_group(rt)}
+    trace_dir = args.trace_dir
+    if "hpcdp-trace" in modes and trace_dir is None:
+        trace_dir = native.bcast(tempfile.mkdtemp(prefix="hpcdp-bench-trace-") if rt.rank == 0 else None)
+    comms = {"native": native, "gloo": lambda: gloo_group(rt), "trace_dir": trace_dir}
     variants = _variants(modes, compressions, args.bucket_mb, sweep)
-    ok = all(_bench_model(model_name, variants, compressions, args, rt, comms) for model_name in models)
+    try:
+        ok = all(_bench_model(model_name, variants, compressions, args, rt, comms) for model_name in models)
+    finally:
+        if trace_dir is not None and args.trace_dir is None:
+            native.Barrier()
+            if rt.rank == 0:
+                shutil.rmtree(trace_dir, ignore_errors=True)
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
