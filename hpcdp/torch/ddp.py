@@ -89,14 +89,13 @@ class DistributedDataParallel(torch.nn.Module):
                                find_unused=find_unused_parameters, as_view=gradient_as_bucket_view,
                                should_sync=lambda: self._require_sync, wait_at_end=True,
                                compression=compression)
-        self._tracer = open_step_tracer(rt, trace, _OWNER, named, compression, {
+        self.reducer.attach_tracer(open_step_tracer(rt, trace, _OWNER, named, compression, {
             "bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
             "find_unused_parameters": find_unused_parameters, "broadcast_buffers": broadcast_buffers,
-            "gradient_as_bucket_view": gradient_as_bucket_view})
-        self.reducer.attach_tracer(self._tracer)
+            "gradient_as_bucket_view": gradient_as_bucket_view}))
 
     def forward(self, *args, **kwargs):
-        tracer = self._tracer
+        tracer = self.reducer.tracer
         if tracer is not None:
             t0 = tracer.forward_begin()
         self.reducer.new_iteration()
@@ -110,15 +109,13 @@ class DistributedDataParallel(torch.nn.Module):
     @property
     def trace_path(self):
         """This rank's trace file, or None when tracing is off."""
-        return None if self._tracer is None else self._tracer.rec.path
+        tracer = self.reducer.tracer
+        return None if tracer is None else tracer.rec.path
 
     def close_trace(self) -> None:
         """Write what the trace holds and close this rank's file (not collective;
         idempotent; a no-op without tracing)."""
-        if self._tracer is not None:
-            tracer, self._tracer = self._tracer, None
-            self.reducer.attach_tracer(None)
-            tracer.close()
+        self.reducer.close_trace()
 
     @contextlib.contextmanager
     def no_sync(self):

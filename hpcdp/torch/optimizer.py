@@ -46,18 +46,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                       find_unused=True, as_view=False,
                                       should_sync=self._hpcdp_count_pass, wait_at_end=False,
                                       compression=compression)
-        self._hpcdp_tracer = open_step_tracer(rt, trace, _OWNER, named_parameters, compression, {
-            "bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
-            "backward_passes_per_step": backward_passes_per_step})
-        self._hpcdp_reducer.attach_tracer(self._hpcdp_tracer)
+        config = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
+                  "backward_passes_per_step": backward_passes_per_step}
+        self._hpcdp_reducer.attach_tracer(
+            open_step_tracer(rt, trace, _OWNER, named_parameters, compression, config))
 
     def close_trace(self) -> None:
         """Write what the trace holds and close this rank's file (not collective;
         idempotent; a no-op without tracing)."""
-        if self._hpcdp_tracer is not None:
-            tracer, self._hpcdp_tracer = self._hpcdp_tracer, None
-            self._hpcdp_reducer.attach_tracer(None)
-            tracer.close()
+        self._hpcdp_reducer.close_trace()
 
     def _hpcdp_count_pass(self) -> bool:
         self._hpcdp_passes += 1

@@ -180,10 +180,16 @@ class Reducer:
 
     def attach_tracer(self, tracer) -> None:
         """Report backward, buckets and waits to ``tracer`` (a
-        :class:`~hpcdp.torch.tracing.StepTracer`; None: stop)."""
+        :class:`~hpcdp.torch.tracing.StepTracer`, or None)."""
         self.tracer = tracer
         if tracer is not None:
             self._trace_layout()
+
+    def close_trace(self) -> None:
+        """Detach the tracer and close its file (idempotent)."""
+        tracer, self.tracer = self.tracer, None
+        if tracer is not None:
+            tracer.close()
 
     def _trace_layout(self) -> None:
         self.tracer.layout([b.spec.numel * self.params[b.members[0]].element_size() for b in self.buckets],
