@@ -112,6 +112,23 @@ def test_allreduce_crosses_shaped_links(live):
 
 
 @pytest.mark.timeout(120)
+def test_every_bring_up_gets_a_new_job_id_range(live):
+    """MPICH names its shared-memory segments after the Slurm job id, and killed jobs leave
+    them in /dev/shm: a fresh controller must not hand out the ids of an earlier one."""
+    def job_id():
+        r = live.srun(["-N1", "-n1", "printenv", "SLURM_JOB_ID"], timeout=30)
+        assert r.returncode == 0, r.stderr
+        return int(r.stdout)
+
+    before = job_id()
+    live.down()
+    live.up()
+    conf = (live.dir / "etc" / "slurm.conf").read_text()
+    first = int(re.search(r"^FirstJobId=(\d+)$", conf, re.M)[1])
+    assert job_id() == first > before, conf
+
+
+@pytest.mark.timeout(120)
 def test_down_is_idempotent(cluster):
     cluster.down()
     cluster.down()  # a second down.sh must be a no-op, not an error

@@ -30,7 +30,7 @@ import time
 from os import sched_yield
 from time import monotonic
 
-__all__ = ["Engine", "Handle", "CommError"]
+__all__ = ["Engine", "Handle", "CommError", "rank_ranges"]
 
 
 class CommError(RuntimeError):
@@ -318,15 +318,22 @@ class Engine:
         if "step" in where:
             stage += f" step {where['step']}"
         peer = where.get("peer")
-        waiting = (f"waiting for a message from rank {peer}" if peer is not None
-                   else "waiting for all ranks")
+        others = [r for r in range(size) if r != rank]
+        if peer is None and len(others) == 1:
+            peer = others[0]  # a collective of two ranks: only one can be missing
+            waiting = f"waiting for all ranks (rank {peer})"
+        elif peer is None:  # native collective or all-to-all: MPI does not say who is late
+            waiting = f"waiting for all ranks (ranks {rank_ranges(others)})"
+        else:
+            waiting = f"waiting for a message from rank {peer}"
         queued = [q.name for q in list(self._queue)]
         more = f"; {len(queued)} more queued: {', '.join(queued[:6])}{' ...' if len(queued) > 6 else ''}" \
             if queued else ""
         missing = (f"rank {peer} is missing or stuck (did it die, or call a different collective?)"
-                   if peer is not None else "some rank did not join (did one die?)")
+                   if peer is not None else
+                   f"one or more of ranks {rank_ranges(others)} did not join (did one die?)")
         return (f"rank {rank}/{size}: no progress for {idle:.1f} s in {h.name} (#{h.seq}), {stage}, "
-                f"{waiting}{more}. {missing} Aborting the job (HPCDP_STALL_TIMEOUT={timeout:g}).")
+                f"{waiting}{more}. {missing}. Aborting the job (HPCDP_STALL_TIMEOUT={timeout:g}).")
 
     def close(self):
         with self._cv:
@@ -335,3 +342,15 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """``[0, 2, 3, 4]`` -> ``"0,2-4"`` (sorted ranks, for error messages)."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(out)

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from .._runtime import init, is_initialized, runtime
-from ..collectives import _ranges, barrier, broadcast
+from ..collectives import barrier, broadcast
+from ..comm.engine import rank_ranges
 from .errors import ModelMismatchError, ReplicaMismatchError
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "check_replicas"]
@@ -81,7 +82,7 @@ def check_same_across_ranks(rt, entries: list, owner: str, what: str) -> None:
     groups: dict[str, list[int]] = {}
     for r, e in enumerate(everyone):
         groups.setdefault(_describe(e[first] if first < len(e) else None), []).append(r)
-    lines = [f"  ranks {_ranges(ranks)}: {desc}" for desc, ranks in groups.items()]
+    lines = [f"  ranks {rank_ranges(ranks)}: {desc}" for desc, ranks in groups.items()]
     counts = sorted({len(e) for e in everyone})
     extra = (f"\n(ranks have {', '.join(map(str, counts))} entries)" if len(counts) > 1 else "")
     raise ModelMismatchError(
@@ -253,7 +254,7 @@ def check_replicas(module: torch.nn.Module) -> str:
         k = next(i for i, (a, b) in enumerate(zip(ref_digests, other_digests)) if a != b)
         first = ref_names[k]
         break
-    lines = [f"  ranks {_ranges(ranks)}: model digest {d[:16]}" for d, ranks in groups.items()]
+    lines = [f"  ranks {rank_ranges(ranks)}: model digest {d[:16]}" for d, ranks in groups.items()]
     raise ReplicaMismatchError(
-        f"rank {rt.rank}: hpcdp.check_replicas: replicas differ: ranks {_ranges(differ)} differ from "
+        f"rank {rt.rank}: hpcdp.check_replicas: replicas differ: ranks {rank_ranges(differ)} differ from "
         f"rank 0; first differing tensor (rank {differ[0]} vs rank 0): {first}\n" + "\n".join(lines))
