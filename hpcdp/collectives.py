@@ -13,11 +13,12 @@ import os
 import numpy as np
 
 from ._runtime import runtime
-from .comm.buffers import HostOps, as_buffer
+from .comm.buffers import HostOps, TorchCudaOps, as_buffer
 from .comm.dtypes import dtype_from_code
-from .comm.engine import CommError, Handle
-from .comm.ring import CompressedCodec, PlainCodec, RingConfig, ring_allreduce
-from .comm.twophase import twophase_allreduce
+from .comm.engine import CommError, Handle, rank_ranges
+from .comm.ring import (CompressedCodec, DeviceCompressedCodec, PlainCodec, RingConfig,
+                        StagedCompressedCodec, ring_allreduce)
+from .comm.twophase import HOST_FRAMES, DeviceFrames, StagedFrames, twophase_allreduce
 
 __all__ = ["allreduce", "allreduce_async", "synchronize", "broadcast", "broadcast_async",
            "barrier", "MismatchError"]
@@ -56,23 +57,12 @@ def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int =
         else:
             tail = f", root={f[4]}"
         desc = f"{names.get(f[0], '?')} of {f[1]} elements of {dtype_from_code(f[2])}{tail}"
-        lines.append(f"  ranks {_ranges(ranks)}: {desc}")
+        lines.append(f"  ranks {rank_ranges(ranks)}: {desc}")
     raise MismatchError(
         f"rank {comm.Get_rank()}: {what} of {buf.name!r}: ranks passed different arguments to the same "
         "collective (every rank must call collectives in the same order with the same length, dtype "
         "and op):\n" + "\n".join(lines))
 
-
-def _ranges(ranks):
-    out, start, prev = [], ranks[0], ranks[0]
-    for r in ranks[1:] + [None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ",".join(out)
 
 
 def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats, where, comp, state, on_step):
@@ -82,26 +72,45 @@ def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats, where, comp, 
                                     _compression_code(comp), where)
     average = op == _OPS["avg"]
     size = rt.size
+    device = buf.kind == "device"
     if comp is not None and comp.collective == "two_phase":
         if state is None:
             state = rt.compression_state(comp, buf)
+        space = HOST_FRAMES
+        if device:
+            space = DeviceFrames(buf.ops) if rt.cuda_aware else StagedFrames(buf.ops)
         yield from twophase_allreduce(comm, MPI, buf.data, comp, state, tag, average, stats, where,
-                                      on_step)
+                                      on_step, space)
         return
     if comp is not None:
         wire_dtype = np.dtype(comp.wire_dtype)
         seg = max(1, _cfg.segment_bytes // wire_dtype.itemsize)
-        codec = CompressedCodec(comp, buf.data, rt.scratch("wire", buf.n, wire_dtype),
-                                1.0 / size if average else 1.0)
-        tmp = rt.scratch("wire-tmp", _cfg.window * seg, wire_dtype)
+        scale = 1.0 / size if average else 1.0
+        if not device:
+            codec = CompressedCodec(comp, buf.data, rt.scratch("wire", buf.n, wire_dtype), scale)
+            tmp = rt.scratch("wire-tmp", _cfg.window * seg, wire_dtype)
+        else:
+            # the torch compressor computes on the device; MPI gets the device payload, or
+            # (not CUDA-aware) pinned host copies of the payload only, never the float32 data
+            ops = buf.ops
+            wire = ops.empty(buf.n, comp.torch_wire_dtype)
+            if rt.cuda_aware:
+                codec = DeviceCompressedCodec(comp, buf.data, wire, scale, ops)
+                tmp = ops.empty(_cfg.window * seg, comp.torch_wire_dtype)
+            else:
+                host = ops.pinned(buf.n * wire_dtype.itemsize).view(wire_dtype)
+                codec = StagedCompressedCodec(comp, buf.data, wire, scale, ops, host)
+                tmp = ops.pinned(_cfg.window * seg * wire_dtype.itemsize).view(wire_dtype)
         yield from ring_allreduce(comm, MPI, buf.n, codec, tmp, tag, _cfg, wire_dtype.itemsize,
                                   stats, where, on_step)
         if stats is not None:
             stats["nonfinite"] = bool(comp.has_nonfinite(codec.wire))
+        if device:
+            buf.ops.ready()  # the last decodes are done before the handle completes
         return
     itemsize = buf.dtype.itemsize
     seg = max(1, _cfg.segment_bytes // itemsize)
-    if buf.kind == "device" and not rt.cuda_aware:
+    if device and not rt.cuda_aware:
         host = rt.staging(buf)
         buf.ops.to_host(buf.data, host)
         hbuf = type(buf)(host, buf.n, buf.dtype, HostOps(buf.dtype), buf.name)
@@ -116,17 +125,27 @@ def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats, where, comp, 
 
 
 def _compression(compression, buf):
-    """The compressor for this call, or None for the plain ring."""
+    """The compressor for this call, or None for the plain ring.
+
+    Device buffers (torch CUDA tensors) get the compressor's torch twin, which
+    computes on the device.
+    """
     if compression is None:
         return None
     from .compress import NoCompression, get_compressor
     comp = get_compressor(compression)
     if isinstance(comp, NoCompression):
         return None
-    if buf.kind != "host" or buf.dtype.name != "float32":
-        raise TypeError(f"compression={comp.name!r} needs a float32 host buffer, but {buf.name!r} is "
-                        f"{buf.dtype.name} on the {buf.kind}; compress float32 CPU tensors/arrays")
-    return comp
+    if buf.dtype.name != "float32":
+        raise TypeError(f"compression={comp.name!r} needs a float32 host buffer or CUDA tensor, but "
+                        f"{buf.name!r} is {buf.dtype.name} on the {buf.kind}; compress float32 data")
+    if buf.kind == "host":
+        return comp
+    if not isinstance(buf.ops, TorchCudaOps):
+        raise TypeError(f"compression={comp.name!r} of device memory needs a torch tensor, but "
+                        f"{buf.name!r} is a {type(buf.data).__qualname__}; pass "
+                        "torch.as_tensor(x, device='cuda') (zero copy)")
+    return comp.to_torch()
 
 
 _COMPRESSION_CODES = {None: 0, "fp16": 1, "bf16": 2, "onebit": 3}
@@ -158,8 +177,10 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     collective). ``stats``: a dict that receives ``bytes_sent``/``bytes_recv``
     (and ``nonfinite`` for fp16/bf16 compression). ``compression``: ``None``,
     ``"fp16"``, ``"bf16"``, ``"onebit"`` or a :mod:`hpcdp.compress` compressor
-    (float32 host buffers); ``state``: the per-bucket compressor state (1-bit
-    residuals), by default one kept per ``name`` and length. ``on_step``: called
+    (float32 buffers; CUDA tensors are compressed on the device, see
+    docs/cuda.md); ``state``: the per-bucket compressor state (1-bit
+    residuals, kept on the device for CUDA tensors), by default one kept per
+    ``name`` and length. ``on_step``: called
     from the progress engine after each ring step (1-bit: each of its two
     phases) as ``on_step(index, t0_ns, t1_ns, bytes_sent, bytes_recv)``, times
     from ``time.perf_counter_ns`` (what level-2 traces record).

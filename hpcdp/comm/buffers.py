@@ -10,7 +10,9 @@ CUDA), and objects exposing ``__cuda_array_interface__``. Device arrays of a
 type other than torch are handled by the ops registered for that type with
 :func:`register_device_ops` (the tests register a fake GPU array this way, the
 same trick mpi4py's own test-suite uses); without a registration they are
-wrapped as torch CUDA tensors (zero copy) when CUDA is available.
+wrapped as torch CUDA tensors (zero copy) when CUDA is available. A registered
+``torch.Tensor`` subclass is device memory too (the tests pose CPU tensors as
+CUDA ones this way, to run the compressed device paths with torch ops on CPU).
 """
 from __future__ import annotations
 
@@ -112,6 +114,25 @@ class TorchCudaOps(ArrayOps):
         t = self._torch.from_numpy(a.view(np.int16) if self.dtype.name == "bfloat16" else a)
         return t.view(self._tdtype) if self.dtype.name == "bfloat16" else t
 
+    # compressed payloads (any dtype, as bytes): device buffers and pinned host staging
+    def empty(self, shape, dtype):
+        """An uninitialised device tensor of torch ``dtype`` (the caching allocator's)."""
+        return self._torch.empty(shape, dtype=dtype, device=self.device)
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        """Page-locked host bytes, so that the copies to and from the device are asynchronous."""
+        return self._torch.empty(nbytes, dtype=self._torch.uint8, pin_memory=True).numpy()
+
+    def download(self, src, dst: np.ndarray) -> None:
+        """Queue the copy of device tensor ``src``'s bytes into host array ``dst`` (no sync)."""
+        self._torch.from_numpy(dst.reshape(-1).view(np.uint8)).copy_(
+            src.reshape(-1).view(self._torch.uint8), non_blocking=True)
+
+    def upload(self, src: np.ndarray, dst) -> None:
+        """Queue the copy of host array ``src``'s bytes into device tensor ``dst`` (no sync)."""
+        dst.view(-1).view(self._torch.uint8).copy_(
+            self._torch.from_numpy(src.reshape(-1).view(np.uint8)), non_blocking=True)
+
 
 _DEVICE_OPS: dict[type, type] = {}
 
@@ -120,7 +141,8 @@ def register_device_ops(array_type: type, ops_type: type) -> None:
     """Use ``ops_type(dtype)`` for device arrays of ``array_type`` (and subclasses).
 
     ``array_type`` must expose ``__cuda_array_interface__``, support ``len``,
-    slicing ``a[lo:hi]`` into views of the same type, and ``reshape(-1)``.
+    slicing ``a[lo:hi]`` into views of the same type, and ``reshape(-1)``; or be
+    a ``torch.Tensor`` subclass, whose buffers are then flat tensors.
     """
     _DEVICE_OPS[array_type] = ops_type
 
@@ -203,6 +225,10 @@ def _torch_buffer(torch, t, name) -> Buffer:
         raise ValueError(f"hpcdp needs a contiguous tensor but {name!r} (shape {tuple(t.shape)}, "
                          f"stride {t.stride()}) is not; call .contiguous() and copy the result back")
     flat = t.view(-1)
+    if type(t) is not torch.Tensor:
+        for klass in type(t).__mro__:
+            if klass in _DEVICE_OPS:
+                return Buffer(flat, flat.numel(), d, _DEVICE_OPS[klass](d), name)
     if t.is_cuda:
         return Buffer(flat, flat.numel(), d, TorchCudaOps(d, t.device), name)
     if t.device.type != "cpu":

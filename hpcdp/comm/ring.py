@@ -7,7 +7,10 @@ or tests it (polling). The same code therefore serves every progress mode.
 
 What travels is decided by a *codec*: :class:`PlainCodec` sends the buffer
 itself and reduces in place; :class:`CompressedCodec` sends a ring compressor's
-payload (fp16/bf16) and accumulates in float32 at every step.
+payload (fp16/bf16) and accumulates in float32 at every step. For device
+buffers the compressor is the torch twin (it computes on the device):
+:class:`DeviceCompressedCodec` hands MPI the device payload (CUDA-aware MPI),
+:class:`StagedCompressedCodec` stages only the payload through pinned host memory.
 
 Pipelining: each chunk is cut into segments (``segment_bytes``). In the
 scatter-reduce a received segment is added into place and forwarded at once
@@ -24,7 +27,8 @@ from time import perf_counter_ns
 
 from .schedule import RingSchedule
 
-__all__ = ["ring_allreduce", "RingConfig", "PlainCodec", "CompressedCodec"]
+__all__ = ["ring_allreduce", "RingConfig", "PlainCodec", "CompressedCodec", "DeviceCompressedCodec",
+           "StagedCompressedCodec"]
 
 
 class RingConfig:
@@ -137,6 +141,74 @@ class CompressedCodec:
         w = self.wire[lo:hi]
         self.comp.decode(w, self.data[lo:hi])
         return w
+
+
+class DeviceCompressedCodec(CompressedCodec):
+    """CUDA-aware MPI: data, payload and received segments all live on the device.
+
+    The torch compressor's kernels are queued on the device; the stream is
+    synchronised before MPI reads a payload they wrote (and before the slot
+    holding a received segment is reused). Decoding what the allgather
+    receives needs no sync: MPI forwards those bytes, no kernel writes them.
+    """
+
+    __slots__ = ("ops",)
+
+    def __init__(self, comp, data, wire, scale: float, ops):
+        super().__init__(comp, data, wire, scale)
+        self.ops = ops
+
+    def first(self, lo, hi):
+        w = super().first(lo, hi)
+        self.ops.ready()
+        return w
+
+    def reduce(self, lo, hi, slot, final):
+        w = super().reduce(lo, hi, slot, final)
+        self.ops.ready()
+        return w
+
+
+class StagedCompressedCodec(CompressedCodec):
+    """MPI is not CUDA-aware: compute on the device, stage only the payload.
+
+    The float32 data never leaves the device. Each payload segment the device
+    encodes is copied to ``host`` (pinned, one wire element per data element)
+    for MPI to send; each received segment (in ``tmp`` slots or ``host``) is
+    copied to the device payload ``wire`` and reduced or decoded there.
+    """
+
+    __slots__ = ("ops", "host")
+
+    def __init__(self, comp, data, wire, scale: float, ops, host):
+        super().__init__(comp, data, wire, scale)
+        self.ops, self.host = ops, host
+
+    def _staged(self, lo, hi):
+        h = self.host[lo:hi]
+        self.ops.download(self.wire[lo:hi], h)
+        self.ops.ready()  # also completes the upload of the slot, which the ring reuses next
+        return h
+
+    def first(self, lo, hi):
+        super().first(lo, hi)
+        return self._staged(lo, hi)
+
+    def reduce(self, lo, hi, slot, final):
+        w = self.wire[lo:hi]
+        self.ops.upload(slot, w)
+        super().reduce(lo, hi, w, final)  # reads the received payload in w, then overwrites it
+        return self._staged(lo, hi)
+
+    def ag_target(self, lo, hi):
+        return self.host[lo:hi]
+
+    def ag_done(self, lo, hi):
+        h = self.host[lo:hi]
+        w = self.wire[lo:hi]
+        self.ops.upload(h, w)
+        self.comp.decode(w, self.data[lo:hi])
+        return h
 
 
 def ring_allreduce(comm, MPI, n: int, codec, tmp, tag: int, cfg: RingConfig, itemsize: int,

@@ -26,6 +26,10 @@ import numpy as np
 FMT_FP16 = 0
 FMT_BF16 = 1
 
+#: Elements per partial sum of the 1-bit sum of squares (``onebit_sumsq``); fixed, so
+#: that the result depends neither on the number of threads nor on the backend.
+SUMSQ_BLOCK = 4096
+
 IMPLS = ("numba", "numpy")
 
 
@@ -127,6 +131,17 @@ class Compressor:
     def new_state(self, numel, world_size, rank, name="bucket"):
         """Per-bucket state for one rank (identity only, for stateless compressors)."""
         return BucketState(name, numel, world_size, rank)
+
+    def to_torch(self):
+        """This compressor computing with torch ops on torch tensors (GPU buffers).
+
+        The built-in compressors return their twin from :mod:`hpcdp.compress.device`:
+        the same bytes, computed on the tensors' device. Others have none.
+        """
+        raise TypeError(
+            f"{self!r} has no torch implementation, so it cannot compress GPU buffers; use "
+            f"'fp16', 'bf16' or 'onebit', or give {type(self).__name__} a to_torch() method"
+        )
 
     def __repr__(self):
         return f"{type(self).__name__}()"

@@ -115,6 +115,12 @@ class HalfPrecision(RingCompressor):
     def __repr__(self):
         return f"HalfPrecision(wire={self.name!r}, impl={self.impl!r})"
 
+    def to_torch(self):
+        """The same compressor over torch tensors (:class:`~hpcdp.compress.device.TorchHalfPrecision`)."""
+        from .device import TorchHalfPrecision
+
+        return TorchHalfPrecision(self.name)
+
     def encode(self, x, *, scale=1.0, out=None):
         check_array(x, "x", np.float32)
         out = self._payload_out(out, x.size)

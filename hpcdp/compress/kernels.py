@@ -29,11 +29,7 @@ from numba import njit, prange
 from numba.core import types
 from numba.extending import intrinsic
 
-from .base import FMT_BF16
-
-#: Elements per partial sum in :func:`onebit_sumsq`; fixed so that the result
-#: does not depend on the number of threads.
-SUMSQ_BLOCK = 4096
+from .base import FMT_BF16, SUMSQ_BLOCK
 
 _PARALLEL = dict(parallel=True, nogil=True, cache=True, fastmath=False)
 _SCALAR = dict(nogil=True, cache=True, fastmath=False)

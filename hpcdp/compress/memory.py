@@ -40,6 +40,8 @@ class OneBitState(BucketState):
     ``step`` counts encodes, warm-up steps included.
 
     Residuals are per rank and per world size: save one state dict per rank.
+    They are numpy arrays, or torch tensors on the bucket's device once a GPU
+    bucket used the state (:meth:`to_device`).
     """
 
     __slots__ = ("step", "worker_residual", "server_residual")
@@ -55,11 +57,26 @@ class OneBitState(BucketState):
     def __repr__(self):
         return f"{super().__repr__()[:-1]}, step={self.step})"
 
+    def to_device(self, device):
+        """Keep the residuals as torch tensors on ``device``; returns the state.
+
+        The first call for a device moves them there (zeros, or what a checkpoint
+        restored); later calls find them in place and do nothing.
+        """
+        import torch
+
+        for key in ("worker_residual", "server_residual"):
+            value = getattr(self, key)
+            if not isinstance(value, torch.Tensor) or value.device != device:
+                setattr(self, key, torch.as_tensor(value).to(device))
+        return self
+
     def state_dict(self):
+        """Plain values and host numpy copies of the residuals, wherever they live."""
         state = super().state_dict()
         state["step"] = self.step
-        state["worker_residual"] = self.worker_residual.copy()
-        state["server_residual"] = self.server_residual.copy()
+        state["worker_residual"] = _host_copy(self.worker_residual)
+        state["server_residual"] = _host_copy(self.server_residual)
         return state
 
     def load_state_dict(self, state):
@@ -82,6 +99,19 @@ class OneBitState(BucketState):
             raise ValueError(
                 f"bucket {self.name!r}: checkpoint step must be >= 0, got {state.get('step')!r}"
             )
-        self.worker_residual[:] = arrays["worker_residual"]
-        self.server_residual[:] = arrays["server_residual"]
+        for key, value in arrays.items():
+            target = getattr(self, key)
+            if isinstance(target, np.ndarray):
+                target[:] = value
+            else:  # residuals on a torch device
+                import torch
+
+                target.copy_(torch.from_numpy(value))
         self.step = step
+
+
+def _host_copy(residual):
+    """A numpy copy of a residual held as a numpy array or a torch tensor (any device)."""
+    if isinstance(residual, np.ndarray):
+        return residual.copy()
+    return residual.detach().to("cpu", copy=True).numpy()

@@ -70,6 +70,12 @@ class OneBit(Compressor):
     def __repr__(self):
         return f"OneBit(warmup_steps={self.warmup_steps}, impl={self.impl!r})"
 
+    def to_torch(self):
+        """The same compressor over torch tensors (:class:`~hpcdp.compress.device.TorchOneBit`)."""
+        from .device import TorchOneBit
+
+        return TorchOneBit(self.warmup_steps)
+
     def new_state(self, numel, world_size, rank, name="bucket"):
         """Zero residuals for bucket ``name`` of ``numel`` elements on ``rank``."""
         return OneBitState(name, numel, world_size, rank)
@@ -172,10 +178,19 @@ class OneBit(Compressor):
                 out[:] = values
         return out
 
+    #: where this compressor accepts a state's residuals (the torch twin: anywhere)
+    _RESIDUALS = np.ndarray
+
     def _check_state(self, state):
         if not isinstance(state, OneBitState):
             raise TypeError(
                 f"OneBit needs a OneBitState from OneBit.new_state(), got {type(state).__name__}"
+            )
+        if not isinstance(state.worker_residual, self._RESIDUALS):
+            raise TypeError(
+                f"bucket {state.name!r}: this state's residuals live on "
+                f"{state.worker_residual.device} (a GPU bucket used it); give host buckets a "
+                "state of their own"
             )
 
     def _frames_out(self, out, rows, width, state):

@@ -74,17 +74,26 @@ class _Bucket:
 
 
 def _compressor(compression, named_params, owner: str):
-    """The compressor for the buckets (None: full precision); checks what it can reduce."""
+    """The compressor for the buckets (None: full precision); checks what it can reduce.
+
+    float32 parameters on the CPU (numba kernels) or on CUDA devices (the
+    compressor's torch twin, which runs on the device).
+    """
     if compression is None:
         return None
     from ..compress import NoCompression, get_compressor
     comp = get_compressor(compression)
     if isinstance(comp, NoCompression):
         return None
+    cuda = False
     for name, p in named_params:
-        if p.dtype != torch.float32 or p.device.type != "cpu":
-            raise TypeError(f"{owner}: compression={comp.name!r} needs float32 CPU parameters, but "
-                            f"{name!r} is {p.dtype} on {p.device}; use compression=None")
+        if p.dtype != torch.float32 or p.device.type not in ("cpu", "cuda"):
+            raise TypeError(f"{owner}: compression={comp.name!r} needs float32 CPU parameters or "
+                            f"float32 CUDA parameters, but {name!r} is {p.dtype} on {p.device}; keep "
+                            "the model in float32 or use compression=None")
+        cuda = cuda or p.device.type == "cuda"
+    if cuda:
+        comp.to_torch()  # a compressor without a device implementation fails here, not mid-backward
     return comp
 
 
@@ -206,8 +215,16 @@ class Reducer:
         observed = np.array(seen + [i for i in self.order if i not in seen_set], dtype=np.int64)
         broadcast(observed, root=0, name=f"{self.owner} gradient order")
         order = observed.tolist()
-        if order == self.order:
-            return
+        if order != self.order:
+            self._apply_order(order)
+
+    def _apply_order(self, order: list[int]) -> None:
+        """Lay the buckets out in ``order``, moving bucket-view gradients along.
+
+        Compressor states belong to the old buckets' elements: they are dropped
+        (1-bit: the residuals of the steps before, usually one, are forgotten and
+        its warm-up counts again from here)."""
+        self.compression_states.clear()
         old_bucket_of, old_slot_of = self.bucket_of, self.slot_of
         self._layout(order)
         if not self.as_view:
@@ -471,6 +488,21 @@ class Reducer:
             "\nEvery parameter must contribute to the loss on every rank; if some legitimately do not, "
             "pass find_unused_parameters=True (they then count as zero gradients, averaged with the "
             "ranks that did use them).")
+
+    def layout_state(self) -> dict:
+        """The bucket layout (the same on every rank), for checkpoints: a resumed run
+        must reduce through the same buckets to continue exactly."""
+        return {"order": list(self.order), "relaid_out": self._relaid_out}
+
+    def load_layout_state(self, state: dict) -> None:
+        """Restore what :meth:`layout_state` returned (before the compressor states)."""
+        order = [int(i) for i in state["order"]]
+        if sorted(order) != list(range(len(self.params))):
+            raise ValueError(f"{self.owner}: the saved bucket layout orders {len(order)} parameters, "
+                             f"this model has {len(self.params)}")
+        if order != self.order:
+            self._apply_order(order)
+        self._relaid_out = bool(state["relaid_out"])
 
     def compression_state_dict(self) -> dict:
         """This rank's compressor states (1-bit residuals) per bucket, for checkpoints."""
