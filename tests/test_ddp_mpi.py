@@ -7,6 +7,7 @@ batches have uneven shares (13 samples); each rank's summed loss is scaled by
 ``world / global_batch`` so the averaged gradient is the global mean's.
 """
 import contextlib
+import copy
 
 import pytest
 
@@ -516,3 +517,51 @@ def test_distributed_optimizer_misuse_errors(world):
     with pytest.raises(ValueError, match="already has its gradients averaged by "
                                          "hpcdp.DistributedOptimizer"):
         hpcdp.DistributedDataParallel(model)
+
+
+def test_restored_layout_and_residuals_continue_exactly(world):
+    """A model whose buckets are re-laid out after step 1, trained with 1-bit compression:
+    a replica rebuilt from the parameters, optimizer state, layout and residuals after
+    step 2 must continue bit for bit like the original."""
+    rank, size = world.Get_rank(), world.Get_size()
+
+    def build():
+        model = _Reversed().float()
+        ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=0.0001, bucket_cap_mb=0.0004,
+                                            compression="onebit")
+        return model, ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.5)
+
+    def train(ddp, opt, batches):
+        for x, y in batches:
+            lo, hi = _share(B, size, rank)
+            opt.zero_grad()
+            _local_loss(ddp(x[lo:hi]), y[lo:hi], size, B).backward()
+            opt.step()
+
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(B, 6, generator=g), torch.randint(0, 3, (B,), generator=g)) for _ in range(4)]
+    model, ddp, opt = build()
+    initial = ddp.bucket_layout()
+    train(ddp, opt, batches[:2])
+    assert ddp.bucket_layout() != initial  # re-laid out: the case a resume must reproduce
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+             ddp.reducer.layout_state(), copy.deepcopy(ddp.reducer.compression_state_dict()))
+    train(ddp, opt, batches[2:])
+
+    model2, ddp2, opt2 = build()
+    assert ddp2.bucket_layout() == initial
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    ddp2.reducer.load_layout_state(saved[2])
+    ddp2.reducer.load_compression_state_dict(saved[3])
+    assert ddp2.bucket_layout() == ddp.bucket_layout()
+    train(ddp2, opt2, batches[2:])
+    for (name, p), q in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(p, q), f"{name}: resumed replica differs by {(p - q).abs().max()}"
+    assert ddp2.bucket_layout() == ddp.bucket_layout()  # no second re-layout
+
+
+def test_a_layout_for_another_model_is_refused(world):
+    ddp = hpcdp.DistributedDataParallel(_mlp())
+    with pytest.raises(ValueError, match="saved bucket layout orders 3 parameters, this model has 6"):
+        ddp.reducer.load_layout_state({"order": [2, 1, 0], "relaid_out": True})
