@@ -28,7 +28,9 @@ mode's reduction) and ``SGD.step``. Data: the seed notebook's synthetic data
 (as wide as the model's input, also for ``digits``), 4 pre-generated global
 batches, cycled. To spread drift on a shared machine
 evenly, the timed steps of all modes are interleaved: by default one step of
-each mode per round (A B C A B C ...), or ``--rounds`` blocks of steps. Each
+each mode per round, every other round in reverse order (A B C C B A A B C
+...: a mode that follows another one, e.g. in a warmer or colder cache, is not
+always the same), or ``--rounds`` blocks of steps. Each
 mode first runs ``--warmup`` untimed steps (JIT compilation of the
 compression kernels, allocations, the buckets' re-layout). A step's time is
 the slowest rank's; the record gives the median over the timed steps and its
@@ -262,8 +264,8 @@ def _bench_model(model_name, variants, compressions, args, rt, comms) -> bool:
         run(r, warmup, record=False)
         r.bytes_before = r.bytes_sent()
     per_round = [steps // rounds + (1 if i < steps % rounds else 0) for i in range(rounds)]
-    for n in per_round:
-        for r in runners:
+    for k, n in enumerate(per_round):  # every other round backwards: no mode always goes first
+        for r in (runners if k % 2 == 0 else runners[::-1]):
             run(r, n, record=True)
     for r in runners:  # every multi-rank mode must have kept its replicas identical
         if r.mode != "single":
