@@ -49,9 +49,20 @@ def test_bad_arguments_exit_2(tmp_path):
     p = run_mpi(2, ["-m", "hpcdp.train", "--global-batch", "1"], timeout=90)
     assert p.returncode == 2, p.stdout + p.stderr
     assert "--global-batch 1 is smaller than the number of ranks (2)" in p.stderr
-    p = run_mpi(2, ["-m", "hpcdp.train", "--trace", "t.h5", "--epochs", "1"], timeout=90)
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert "trace='t.h5' is not supported yet" in p.stderr
+
+
+@pytest.mark.timeout(120)
+def test_trace_directory_gets_every_rank_and_every_step(tmp_path):
+    from hpcdp.trace import EventKind, load
+    run = tmp_path / "trace"
+    p = run_mpi(2, ["-m", "hpcdp.train", "--trace", str(run), "--epochs", "1"], timeout=90)
+    assert p.returncode == 0, p.stdout + p.stderr
+    t = load(run)
+    assert t.complete and t.world_size == 2 and t.check() == []
+    steps = -(-1437 // 64)  # digits: 1437 training samples, global batch 64
+    for r in t.ranks:
+        assert r.of_kind(EventKind.STEP)["step"].tolist() == list(range(steps))
+        assert r.meta["compression"] == "none"
 
 
 @pytest.mark.timeout(240)
@@ -94,3 +105,68 @@ def test_preemption_signal_to_one_rank_stops_all_at_the_same_step_then_resumes(t
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"resumed from {ckpt} at step {step} " in p.stdout
     assert [int(e) for e, _, _, _ in _epoch_lines(p.stdout)] == [last]
+
+
+@pytest.mark.timeout(240)
+def test_log_json_and_onebit_warmup_runs_uncompressed_for_its_steps(tmp_path):
+    import json
+
+    def run(name, *extra):
+        log = tmp_path / f"{name}.jsonl"
+        p = run_mpi(2, ["-m", "hpcdp.train", "--epochs", "2", "--log-json", str(log), *extra],
+                    timeout=100)
+        assert p.returncode == 0, p.stdout + p.stderr
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [r.get("epoch") for r in records] == [1, 2, None] and records[-1]["final"]
+        printed = _epoch_lines(p.stdout)
+        for r, (_, _, loss, acc) in zip(records, printed):  # rank 0 logs what it prints, once
+            assert (f"{r['train_loss']:.4f}", f"{r['test_acc']:.4f}") == (loss, acc)
+            assert 0 < r["test_loss"] < 10 and 0 < r["epoch_s"] <= r["wall_s"]
+        assert records[-1]["test_acc"] == records[1]["test_acc"]
+        return records
+
+    fp32 = run("fp32")
+    assert fp32[-1]["world_size"] == 2 and fp32[-1]["args"]["compression"] == "none"
+    onebit = run("onebit", "--compression", "onebit", "--compression-warmup", "23")  # 23 steps: epoch 1
+    assert onebit[-1]["args"]["compression_warmup"] == 23 and onebit[-1]["steps"] == 46
+    # the warm-up epoch is an exact allreduce: at np=2 the same bits as no compression
+    assert onebit[0]["train_loss"] == fp32[0]["train_loss"]
+    assert onebit[0]["test_loss"] == fp32[0]["test_loss"]
+    assert onebit[1]["train_loss"] != fp32[1]["train_loss"]  # then 1-bit compression starts
+
+
+@pytest.mark.timeout(120)
+def test_compression_warmup_needs_onebit_and_a_count():
+    p = run_mpi(2, ["-m", "hpcdp.train", "--compression", "fp16", "--compression-warmup", "5"],
+                timeout=90)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "--compression-warmup: --compression fp16 has no warm-up (only onebit has one)" in p.stderr
+    assert "epoch 1/" not in p.stdout
+    p = run_mpi(2, ["-m", "hpcdp.train", "--compression", "onebit", "--compression-warmup", "-1"],
+                timeout=90)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "argument --compression-warmup: must be >= 0, got -1" in p.stderr
+
+
+@pytest.mark.timeout(240)
+def test_convergence_tool_compares_to_fp32_and_plots(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from launch import ROOT, mpi_env
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "curves.png"
+    p = subprocess.run([sys.executable, "tools/bench/convergence.py", "--np", "2", "--epochs", "2",
+                        "--compressions", "none,fp16", "--out", str(tmp_path), "--png", str(png),
+                        "--timeout", "150"], capture_output=True, text=True, timeout=200,
+                       env=mpi_env(), cwd=str(ROOT))
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [json.loads(line) for line in p.stdout.splitlines()]
+    assert [(r["compression"], r["np"], r["epochs"]) for r in rows] == [("none", 2, 2), ("fp16", 2, 2)]
+    finals = [json.loads((tmp_path / f"{c}.jsonl").read_text().splitlines()[-1])["test_acc"]
+              for c in ("none", "fp16")]
+    assert [r["final_test_acc"] for r in rows] == finals
+    assert rows[1]["diff_points"] == round(100 * (finals[1] - finals[0]), 3)
+    assert "within" not in rows[0] and rows[1]["within"] == (abs(rows[1]["diff_points"]) <= 0.5)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
