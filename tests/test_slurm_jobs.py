@@ -334,6 +334,12 @@ def test_killed_rank_ends_the_job_after_the_stall_timeout(live, tmp_path):
     assert float(re.search(r"no progress for ([\d.]+) s", m[1])[1]) >= 5, m[1]
     assert not DONE.search(out), out
     assert took < 90, f"the job took {took:.0f} s to end:\n{out}"  # its time limit is 1 h
+    # both ranks died (SIGKILL, then the abort): their trace files still read, up to the last flush
+    from hpcdp.trace import load
+    (trace_dir,) = traces_of(out)
+    trace = load(trace_dir)
+    assert trace.rank_ids == [0, 1] and not trace.complete, trace
+    assert trace.check() == [], trace.check()
 
 
 @pytest.mark.timeout(240)
