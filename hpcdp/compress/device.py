@@ -172,18 +172,11 @@ class TorchOneBit(OneBit):
 
     def server_reduce(self, received, state, *, out=None):
         """Server phase: ``(F,)`` uint8 frame of the averaged chunk, on ``received``'s device."""
-        self._check_state(state)
         n, world = state.numel, state.world_size
-        what = f"bucket {state.name!r}: received frames"
-        check_tensor(received, what, torch.uint8, ndim=2)
-        if received.shape[0] != world:
-            raise ValueError(
-                f"{what}: expected {world} rows (one per rank), got {received.shape[0]}"
-            )
+        width, compressed = self._server_input(
+            received, state, lambda t, what: check_tensor(t, what, torch.uint8, ndim=2))
         dev = received.device
         res = state.to_device(dev).server_residual
-        width = received.shape[1]
-        compressed = self._is_compressed_width(n, world, width, what)
         out = self._frames_out(out, 1, width, state, dev).view(width)
         m = chunk_numel(n, world)
         v = res.numel()

@@ -123,16 +123,9 @@ class OneBit(Compressor):
         ``received`` is ``(N, F)``, row i being row ``state.rank`` of rank i's
         frames. Updates ``state.server_residual`` (compressed steps only).
         """
-        self._check_state(state)
         n, world = state.numel, state.world_size
-        what = f"bucket {state.name!r}: received frames"
-        check_array(received, what, np.uint8, ndim=2)
-        if received.shape[0] != world:
-            raise ValueError(
-                f"{what}: expected {world} rows (one per rank), got {received.shape[0]}"
-            )
-        width = received.shape[1]
-        compressed = self._is_compressed_width(n, world, width, what)
+        width, compressed = self._server_input(
+            received, state, lambda a, what: check_array(a, what, np.uint8, ndim=2))
         out = self._frames_out(out, 1, width, state).reshape(width)
         m = chunk_numel(n, world)
         v = state.server_residual.size
@@ -201,6 +194,19 @@ class OneBit(Compressor):
         if out.size != rows * width:
             raise ValueError(f"{what}: expected {rows}x{width} bytes, got shape {out.shape}")
         return out.reshape(rows, width)
+
+    def _server_input(self, received, state, check):
+        """Check the server phase's ``(N, F)`` frames (``check(frames, what)``: their
+        type); returns ``(F, compressed)``."""
+        self._check_state(state)
+        what = f"bucket {state.name!r}: received frames"
+        check(received, what)
+        if received.shape[0] != state.world_size:
+            raise ValueError(
+                f"{what}: expected {state.world_size} rows (one per rank), got {received.shape[0]}"
+            )
+        width = received.shape[1]
+        return width, self._is_compressed_width(state.numel, state.world_size, width, what)
 
     def _is_compressed_width(self, numel, world_size, width, what):
         compressed = self.frame_nbytes(numel, world_size, compressed=True)
