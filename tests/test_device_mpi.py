@@ -92,6 +92,28 @@ def test_cuda_tensor_allreduce(world, transport, dtype, n):
     assert all(b == everyone_bits[0] for b in everyone_bits)
 
 
+def test_cuda_tensor_made_on_a_side_stream_is_waited_for(world, transport):
+    """The tensor is still being written on the caller's side stream when the
+    allreduce is submitted: the engine must wait for that stream, not its own."""
+    torch = _cuda_or_skip()
+    aware, how = _DETECTED["verdict"]
+    if transport and not aware:
+        pytest.skip(f"this MPI is not CUDA-aware ({how}); only the staged transport can run")
+    rank, size = world.Get_rank(), world.Get_size()
+    side = torch.cuda.Stream()
+    a = torch.full((2048, 2048), 1.0 / 2048, device="cuda")  # ones @ a == ones, exactly
+    with torch.cuda.stream(side):
+        side.wait_stream(torch.cuda.current_stream())
+        t = torch.ones(2048, 2048, device="cuda")
+        for _ in range(20):  # long enough to be unfinished at submission
+            t = t @ a
+        t = t.reshape(-1) * (rank + 1)
+        h = hpcdp.allreduce_async(t, op="sum")
+    h.wait()
+    expected = size * (size + 1) / 2
+    assert torch.allclose(t.cpu(), torch.full((2048 * 2048,), expected, dtype=torch.float32), rtol=1e-4)
+
+
 def test_cuda_requires_grad_rejected(world):
     torch = _cuda_or_skip()
     with pytest.raises(ValueError, match="requires grad"):

@@ -75,7 +75,12 @@ class HostOps(ArrayOps):
 
 
 class TorchCudaOps(ArrayOps):
-    """torch CUDA tensors: reductions run on the current stream of the device."""
+    """torch CUDA tensors: reductions run on the current stream of the device.
+
+    Made on the caller's thread when an operation is submitted, it remembers the
+    caller's current stream there (the one that produced the tensor, e.g. a side
+    stream of the user's, or autograd's): :meth:`ready` waits for it as well as
+    for the stream the progress thread queued its own work on."""
 
     kind = "device"
 
@@ -85,6 +90,7 @@ class TorchCudaOps(ArrayOps):
         self._torch = torch
         self.device = device
         self._tdtype = getattr(torch, dtype.name)
+        self._producer = torch.cuda.current_stream(device)
 
     def alloc(self, n):
         return self._torch.empty(n, dtype=self._tdtype, device=self.device)
@@ -96,7 +102,10 @@ class TorchCudaOps(ArrayOps):
         dst.div_(divisor)
 
     def ready(self):
-        self._torch.cuda.current_stream(self.device).synchronize()
+        self._producer.synchronize()
+        current = self._torch.cuda.current_stream(self.device)
+        if current != self._producer:
+            current.synchronize()
 
     def to_host(self, src, dst):
         self._host_tensor(dst).copy_(src, non_blocking=True)
