@@ -90,7 +90,8 @@ class TorchCudaOps(ArrayOps):
         self._torch = torch
         self.device = device
         self._tdtype = getattr(torch, dtype.name)
-        self._producer = torch.cuda.current_stream(device)
+        # (a CPU device only in the tests' stand-in for a GPU, which overrides ready())
+        self._producer = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     def alloc(self, n):
         return self._torch.empty(n, dtype=self._tdtype, device=self.device)
