@@ -39,7 +39,7 @@ class DistributedDataParallel(torch.nn.Module):
     rank before each forward. ``gradient_as_bucket_view``: ``.grad`` tensors
     are views into the flat buckets (saves a copy per step). ``compression``:
     ``None``, ``"fp16"``, ``"bf16"``, ``"onebit"`` or a :mod:`hpcdp.compress`
-    compressor (float32 CPU parameters). ``trace``: a run directory that
+    compressor (float32 parameters, on the CPU or CUDA). ``trace``: a run directory that
     receives one HDF5 timing file per rank (``None``: ``$HPCDP_TRACE`` if set,
     else no tracing), or a recorder from :func:`hpcdp.trace.open_recorder`; see
     ``docs/tracing.md``. :meth:`close_trace` writes the rest and closes the files

@@ -117,15 +117,11 @@ class StepTracer:
         self.rec.span(_FORWARD, t0, self.now(), self.step)
         t = _first_grad_tensor(out)
         if t is not None:
-            t.register_hook(self._loss_grad)
-
-    def _loss_grad(self, grad):
-        if self._t_bwd is None:
-            self._t_bwd = self.now()
+            t.register_hook(lambda _grad: self.backward_begin())
 
     # -- reducer -----------------------------------------------------------------------
     def backward_begin(self) -> None:
-        """First parameter gradient of a backward pass."""
+        """Backward has begun: the forward output's gradient, or else the first parameter's."""
         if self._t_bwd is None:
             self._t_bwd = self.now()
 
