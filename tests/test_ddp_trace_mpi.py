@@ -213,3 +213,25 @@ def test_distributed_optimizer_records_steps_from_backward_to_update(rt, mpi_tmp
         assert len(r.of_kind(K.FORWARD)) == 0
         steps, backward = r.of_kind(K.STEP), r.of_kind(K.BACKWARD)
         assert steps["t0"].tolist() == backward["t0"][::2].tolist()
+
+
+def test_forwards_without_grad_are_not_steps(rt, mpi_tmp_path):
+    """Evaluation between training steps (under no_grad, as hpcdp.train does it) neither
+    records a forward nor opens a step: the next step starts at its own forward."""
+    run = _run_dir(mpi_tmp_path, "eval")
+    ddp = _traced(run)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(hpcdp.rank())
+    for _ in range(3):
+        x, y = torch.randn(8, 24, generator=g), torch.randint(0, 5, (8,), generator=g)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            ddp(torch.randn(8, 24, generator=g))
+    t = _finish(ddp, run)
+    for r in t.ranks:
+        steps, forward = r.of_kind(K.STEP), r.of_kind(K.FORWARD)
+        assert steps["step"].tolist() == [0, 1, 2]
+        assert forward["step"].tolist() == [0, 1, 2]
+        assert steps["t0"].tolist() == forward["t0"].tolist()

@@ -95,7 +95,8 @@ class DistributedDataParallel(torch.nn.Module):
             "gradient_as_bucket_view": gradient_as_bucket_view}))
 
     def forward(self, *args, **kwargs):
-        tracer = self.reducer.tracer
+        # a forward without autograd (evaluation under no_grad) is not part of a training step
+        tracer = self.reducer.tracer if torch.is_grad_enabled() else None
         if tracer is not None:
             t0 = tracer.forward_begin()
         self.reducer.new_iteration()

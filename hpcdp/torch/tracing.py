@@ -3,7 +3,8 @@
 :class:`StepTracer` turns the moments the wrapper and the reducer observe into
 events of an :mod:`hpcdp.trace` recorder (layout: ``docs/trace-format.md``):
 
-- FORWARD: the wrapped module's ``forward``.
+- FORWARD: the wrapped module's ``forward`` (with grad enabled: evaluation under
+  ``torch.no_grad()`` is not recorded and does not open a step).
 - BACKWARD: from the first gradient of the loss output (a hook on the forward
   output; the first parameter gradient where the output has none) to the end
   of backward (the autograd engine's final callback).
