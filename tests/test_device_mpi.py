@@ -73,13 +73,19 @@ def _cuda_or_skip():
     return torch
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
-@pytest.mark.parametrize("n", [1, 1001, 1 << 20])
-def test_cuda_tensor_allreduce(world, transport, dtype, n):
+def _cuda_transport_or_skip(transport):
+    """torch, on a GPU that can run ``transport`` (True: CUDA-aware MPI, False: staged)."""
     torch = _cuda_or_skip()
     aware, how = _DETECTED["verdict"]
     if transport and not aware:
         pytest.skip(f"this MPI is not CUDA-aware ({how}); only the staged transport can run")
+    return torch
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("n", [1, 1001, 1 << 20])
+def test_cuda_tensor_allreduce(world, transport, dtype, n):
+    torch = _cuda_transport_or_skip(transport)
     rank, size = world.Get_rank(), world.Get_size()
     t = torch.randn(n, device="cuda", generator=torch.Generator("cuda").manual_seed(rank)).to(getattr(torch, dtype))
     everyone = world.allgather(t.cpu())
@@ -95,10 +101,7 @@ def test_cuda_tensor_allreduce(world, transport, dtype, n):
 def test_cuda_tensor_made_on_a_side_stream_is_waited_for(world, transport):
     """The tensor is still being written on the caller's side stream when the
     allreduce is submitted: the engine must wait for that stream, not its own."""
-    torch = _cuda_or_skip()
-    aware, how = _DETECTED["verdict"]
-    if transport and not aware:
-        pytest.skip(f"this MPI is not CUDA-aware ({how}); only the staged transport can run")
+    torch = _cuda_transport_or_skip(transport)
     rank, size = world.Get_rank(), world.Get_size()
     side = torch.cuda.Stream()
     a = torch.full((2048, 2048), 1.0 / 2048, device="cuda")  # ones @ a == ones, exactly
@@ -227,10 +230,7 @@ def test_compression_of_other_device_arrays_is_refused(world):
 @pytest.mark.parametrize("compression", ["fp16", "bf16", "onebit"])
 @pytest.mark.parametrize("n", [1, 1001, 1 << 20])
 def test_cuda_compressed_allreduce_matches_host(world, transport, compression, n):
-    torch = _cuda_or_skip()
-    aware, how = _DETECTED["verdict"]
-    if transport and not aware:
-        pytest.skip(f"this MPI is not CUDA-aware ({how}); only the staged transport can run")
+    torch = _cuda_transport_or_skip(transport)
     size, rank = world.Get_size(), world.Get_rank()
     comp = OneBit(warmup_steps=1) if compression == "onebit" else compression
     host_state = dev_state = None
@@ -255,10 +255,7 @@ def test_cuda_compressed_allreduce_matches_host(world, transport, compression, n
 
 @pytest.mark.parametrize("compression", ["fp16", "onebit"])
 def test_cuda_ddp_with_compression(world, transport, compression):
-    torch = _cuda_or_skip()
-    aware, how = _DETECTED["verdict"]
-    if transport and not aware:
-        pytest.skip(f"this MPI is not CUDA-aware ({how}); only the staged transport can run")
+    torch = _cuda_transport_or_skip(transport)
     size, rank = world.Get_size(), world.Get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(10, 64), torch.nn.Tanh(),
