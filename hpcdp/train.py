@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace", default=None, metavar="PATH", help="timing trace output")
     ap.add_argument("--checkpoint", default=None, metavar="PATH",
                     help="save after every epoch; resume from it when it exists")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                    help="where the model and data live: auto is the GPU hpcdp pinned for this "
+                         "rank (cuda:local_rank) when CUDA is present, else the CPU")
     ap.add_argument("--seed", type=int, default=0, help="model init, data split and shuffling")
     ap.add_argument("--samples", type=int, default=8192,
                     help="synthetic models: number of samples (20%% held out for testing)")
@@ -166,6 +169,7 @@ def main(argv=None) -> int:
 
     import hpcdp
     from . import checkpoint, preempt
+    from ._runtime import runtime
     from .torch.zoo import build_model, load_digits_split, synthetic_dataset
 
     hpcdp.init()
@@ -193,6 +197,10 @@ def main(argv=None) -> int:
         return fail(f"{_TEST_HOOK}=pause:... needs --checkpoint", 2)
     threads = args.threads or max(1, (os.cpu_count() or 1) // hpcdp.local_size())
     torch.set_num_threads(threads)
+    pinned = runtime().device
+    if args.device == "cuda" and not pinned.startswith("cuda"):
+        return fail("--device cuda: this process sees no CUDA device (no GPU, or a CPU-only torch build)", 2)
+    device = torch.device("cpu" if args.device == "cpu" else pinned)
 
     if args.model == "digits":
         x_tr, y_tr, x_te, y_te = load_digits_split(args.seed)
@@ -200,7 +208,8 @@ def main(argv=None) -> int:
         x, y = synthetic_dataset(args.samples, seed=42 + args.seed)
         n_test = args.samples // 5
         x_tr, y_tr, x_te, y_te = x[n_test:], y[n_test:], x[:n_test], y[:n_test]
-    model = build_model(args.model, args.seed)
+    x_tr, y_tr, x_te, y_te = (t.to(device) for t in (x_tr, y_tr, x_te, y_te))
+    model = build_model(args.model, args.seed).to(device)
     compression = None if args.compression.lower() == "none" else args.compression
     if args.compression_warmup is not None:
         from .compress import OneBit
@@ -253,7 +262,7 @@ def main(argv=None) -> int:
     bar = _Bar(rank == 0 and (args.progress == "always"
                               or (args.progress == "auto" and sys.stderr.isatty())))
     say(f"hpcdp.train: model {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters), "
-        f"{size} ranks x {threads} threads, global batch {B}, {steps} steps/epoch, "
+        f"{size} ranks x {threads} threads on {device}, global batch {B}, {steps} steps/epoch, "
         f"{args.optimizer} lr {args.lr}", flush=True)
 
     def evaluate() -> tuple[float, float]:

@@ -10,6 +10,14 @@ prints one JSON object per size::
 busbw = 2(n-1)/n * bytes / time (GB/s, 1e9), as nccl-tests define it; ``time`` is
 the median over trials of the slowest rank's time per call. Trials alternate
 hpcdp and native (A B A B ...) so that drift on a noisy machine hits both.
+
+``--device cuda`` times CUDA tensors (on the rank's pinned GPU): hpcdp takes
+the tensor as it is (device buffers to MPI where MPI is CUDA-aware, staged
+through pinned host memory where not), and the native peer does what a user
+would do with the same MPI: ``MPI_Allreduce`` on the device buffer where MPI
+is CUDA-aware, else copy to a pinned host buffer, ``MPI_Allreduce``, copy
+back (``"native": "device"|"staged"`` in the record). Every call ends with a
+device synchronisation, so a time covers the data being back on the GPU.
 """
 from __future__ import annotations
 
@@ -48,6 +56,56 @@ def _max(comm):
     return MPI.MAX
 
 
+def _host_runners(elems, comm, dist, check) -> dict:
+    from mpi4py import MPI
+
+    import hpcdp
+    buf = np.zeros(elems, dtype=np.float32)  # stays 0: no overflow, no denormals
+    runners = {"hpcdp": lambda: hpcdp.allreduce(buf, check=check),
+               "native": lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)}
+    if dist is not None:
+        import torch
+        t_buf = torch.zeros(elems, dtype=torch.float32)
+        runners["gloo"] = lambda: dist.all_reduce(t_buf)
+    return runners
+
+
+def _device_runners(elems, rt, comm, dist, check) -> dict:
+    import torch
+    from mpi4py import MPI
+
+    import hpcdp
+    buf = torch.zeros(elems, dtype=torch.float32, device=rt.device)
+    sync = torch.cuda.synchronize
+
+    def ours():
+        hpcdp.allreduce(buf, check=check)
+        sync()
+
+    if rt.cuda_aware:
+        def native():
+            sync()  # MPI reads device memory: the producing stream must be done
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    else:
+        host = torch.zeros(elems, dtype=torch.float32, pin_memory=True)
+        host_np = host.numpy()
+
+        def native():
+            host.copy_(buf)  # synchronous device-to-host
+            comm.Allreduce(MPI.IN_PLACE, host_np, op=MPI.SUM)
+            buf.copy_(host, non_blocking=True)
+            sync()
+    runners = {"hpcdp": ours, "native": native}
+    if dist is not None:
+        t_buf = torch.zeros(elems, dtype=torch.float32, device=rt.device)
+
+        def gloo():
+            dist.all_reduce(t_buf)
+            sync()
+        runners["gloo"] = gloo
+    return runners
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="hpcdp-bench allreduce", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-time", type=float, default=0.1,
                     help="seconds each timed trial should last (sets iterations per trial)")
     ap.add_argument("--gloo", action="store_true", help="also time torch.distributed gloo all_reduce")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="buffers in host memory (numpy) or on this rank's GPU (torch CUDA tensors)")
     ap.add_argument("--no-check", action="store_true",
                     help="skip hpcdp's cross-rank argument check (what DDP does internally)")
     args = ap.parse_args(argv)
@@ -64,27 +124,22 @@ def main(argv=None) -> int:
     import hpcdp
     hpcdp.init()
     from hpcdp._runtime import runtime
-    from mpi4py import MPI
     rt = runtime()
     comm, n = rt.comm, rt.size
     dist = gloo_group(rt) if args.gloo else None
     check = not args.no_check
     factor = 2 * (n - 1) / n if n > 1 else 1.0
+    cuda = args.device == "cuda"
+    if cuda and not rt.cuda:
+        if rt.rank == 0:
+            print("hpcdp-bench allreduce: --device cuda, but this process sees no CUDA device "
+                  "(no GPU, or a CPU-only torch build)", file=sys.stderr)
+        return 2
 
     for nbytes in _sizes(args.sizes):
         elems = nbytes // 4
-        buf = np.zeros(elems, dtype=np.float32)  # stays 0: no overflow, no denormals
-        t_buf = None
-        if dist is not None:
-            import torch
-            t_buf = torch.zeros(elems, dtype=torch.float32)
-
-        runners = {
-            "hpcdp": lambda: hpcdp.allreduce(buf, check=check),
-            "native": lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM),
-        }
-        if dist is not None:
-            runners["gloo"] = lambda: dist.all_reduce(t_buf)
+        runners = _device_runners(elems, rt, comm, dist, check) if cuda \
+            else _host_runners(elems, comm, dist, check)
         # calibrate iterations on a warm-up of each
         iters = {}
         for name, fn in runners.items():
@@ -98,11 +153,14 @@ def main(argv=None) -> int:
         if rt.rank == 0:
             med = {k: statistics.median(v) for k, v in times.items()}
             rec = {"bench": "allreduce", "np": n, "bytes": elems * 4, "mpi": rt.vendor,
-                   "check": check, "hpcdp_time_s": med["hpcdp"], "native_time_s": med["native"],
+                   "check": check, "device": args.device, "hpcdp_time_s": med["hpcdp"], "native_time_s": med["native"],
                    "hpcdp_busbw": factor * elems * 4 / med["hpcdp"] / 1e9,
                    "native_busbw": factor * elems * 4 / med["native"] / 1e9,
                    "ratio": med["native"] / med["hpcdp"],
                    "trials": args.trials, "iters": iters["hpcdp"]}
+            if cuda:
+                rec["native"] = "device" if rt.cuda_aware else "staged"
+                rec["cuda_aware_how"] = rt.cuda_aware_how
             if dist is not None:
                 rec["gloo_time_s"] = med["gloo"]
                 rec["gloo_busbw"] = factor * elems * 4 / med["gloo"] / 1e9

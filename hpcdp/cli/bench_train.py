@@ -26,7 +26,11 @@ ddp always reduce in float32.
 A step is ``zero_grad``, forward, cross-entropy, backward (plus the naive
 mode's reduction) and ``SGD.step``. Data: the seed notebook's synthetic data
 (as wide as the model's input, also for ``digits``), 4 pre-generated global
-batches, cycled. To spread drift on a shared machine
+batches, cycled. ``--device cuda`` puts models and batches on each rank's
+GPU: every step then ends with ``torch.cuda.synchronize()``, naive passes
+device gradients to MPI where it is CUDA-aware and copies them through the
+host where not, and ddp gets ``device_ids`` (gloo stages CUDA tensors
+itself). To spread drift on a shared machine
 evenly, the timed steps of all modes are interleaved: by default one step of
 each mode per round, every other round in reverse order (A B C C B A A B C
 ...: a mode that follows another one, e.g. in a warmer or colder cache, is not
@@ -107,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compression", default="none",
                     help="hpcdp gradient compression, comma-separated from: " + ", ".join(COMPRESSOR_NAMES)
                     + "; every hpcdp mode runs once per entry, in the same run (default: none)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="models and batches on the CPU or on this rank's GPU (cuda:local_rank)")
     ap.add_argument("--trace-dir", default=None, metavar="DIR",
                     help="where hpcdp-trace mode writes its traces, one run directory per model, "
                          "compressor and bucket size (default: a temporary directory, removed at the end)")
@@ -136,7 +142,8 @@ class _Runner:
         self.rt = rt
         self.ddp = None
         self.native = comms["native"]
-        self.model = build_model(model_name, seed=0)
+        self.device = comms["device"]
+        self.model = build_model(model_name, seed=0).to(self.device)
         self.params = list(self.model.parameters())
         net = self.model
         if self.bucket_mb is not None:
@@ -152,7 +159,8 @@ class _Runner:
                                                            trace=trace)
         elif self.mode == "ddp":
             comms["gloo"]()
-            net = torch.nn.parallel.DistributedDataParallel(self.model)
+            ids = None if self.device.type == "cpu" else [self.device]
+            net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
             self.last_grad_t = 0.0
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._stamp)
@@ -179,17 +187,33 @@ class _Runner:
             loss.backward()
             end = time.perf_counter()
             if self.mode == "naive":
-                MPI = self.rt.MPI
-                for p in self.params:
-                    self.native.Allreduce(MPI.IN_PLACE, p.grad.numpy(), op=MPI.SUM)
-                    p.grad.div_(self.rt.size)
+                self._naive_allreduce()
                 exposed = time.perf_counter() - end
             elif self.mode == "ddp":
                 exposed = end - self.last_grad_t
             else:
                 exposed = 0.0
         self.opt.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the step's time covers its kernels
         return exposed
+
+    def _naive_allreduce(self) -> None:
+        """MPI_Allreduce of every gradient, then the division; GPU gradients go to MPI
+        directly where it is CUDA-aware, else through a host copy."""
+        import torch
+        MPI = self.rt.MPI
+        for p in self.params:
+            if p.grad.is_cuda and not self.rt.cuda_aware:
+                host = p.grad.cpu()
+                self.native.Allreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM)
+                p.grad.copy_(host)
+            else:
+                if p.grad.is_cuda:
+                    torch.cuda.current_stream().synchronize()
+                buf = p.grad if p.grad.is_cuda else p.grad.numpy()
+                self.native.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            p.grad.div_(self.rt.size)
 
     def bytes_sent(self):
         if self.mode == "single":
@@ -232,6 +256,7 @@ def _bench_model(model_name, variants, compressions, args, rt, comms) -> bool:
     B, size, rank = args.global_batch, rt.size, rt.rank
     batches = synthetic_batches(4, B, seed=42, features=MODELS[model_name][0])
     lo, hi = _share(B, size, rank)
+    batches = [(x.to(comms["device"]), y.to(comms["device"])) for x, y in batches]
     local = [(x[lo:hi], y[lo:hi]) for x, y in batches]
     ctl = comms["native"]
     try:
@@ -287,7 +312,7 @@ def _bench_model(model_name, variants, compressions, args, rt, comms) -> bool:
                    "exposed_comm_s": statistics.median(r.exposed_times),
                    "step_time_min_s": min(r.step_times), "step_time_max_s": max(r.step_times),
                    "steps": steps, "warmup": warmup, "rounds": rounds, "threads": args.threads,
-                   "mpi": rt.vendor}
+                   "mpi": rt.vendor, "device": str(comms["device"])}
             if r.bucket_mb is not None:
                 rec["bucket_cap_mb"] = r.bucket_mb
                 rec["overlap"] = r.overlap
@@ -353,11 +378,17 @@ def main(argv=None) -> int:
     if args.global_batch < rt.size:
         print(f"hpcdp-bench train: --global-batch {args.global_batch} < {rt.size} ranks", file=sys.stderr)
         return 2
+    if args.device == "cuda" and not rt.cuda:
+        if rt.rank == 0:
+            print("hpcdp-bench train: --device cuda, but this process sees no CUDA device "
+                  "(no GPU, or a CPU-only torch build)", file=sys.stderr)
+        return 2
     native = rt.comm.Dup()
     trace_dir = args.trace_dir
     if "hpcdp-trace" in modes and trace_dir is None:
         trace_dir = native.bcast(tempfile.mkdtemp(prefix="hpcdp-bench-trace-") if rt.rank == 0 else None)
-    comms = {"native": native, "gloo": lambda: gloo_group(rt), "trace_dir": trace_dir}
+    comms = {"native": native, "gloo": lambda: gloo_group(rt), "trace_dir": trace_dir,
+             "device": torch.device(rt.device if args.device == "cuda" else "cpu")}
     variants = _variants(modes, compressions, args.bucket_mb, sweep)
     try:
         ok = all(_bench_model(model_name, variants, compressions, args, rt, comms) for model_name in models)
