@@ -40,10 +40,12 @@ def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int =
     if where is not None:
         where["phase"] = "argument check (native allreduce over all ranks)"
     fields = [kind, buf.n, buf.dtype.code, op, extra]
+    # max of each field and of its negation: every rank passed the same iff max == -min
     sig = np.array(fields + [-f for f in fields], dtype=np.int64)
     yield comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX)
+    got = sig.tolist()
     k = len(fields)
-    if np.array_equal(sig[:k], -sig[k:]):
+    if got[:k] == [-v for v in got[k:]]:
         return
     everyone = comm.allgather(fields)
     groups: dict[tuple, list[int]] = {}

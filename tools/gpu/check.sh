@@ -17,6 +17,8 @@ python -c "import torch, numba, h5py, mpi4py; print('torch', torch.__version__, 
 mpirun -np 2 python -m hpcdp.info | tee "$LOG/info.txt"
 echo "== serial device tests"
 python -m pytest -q -rs -p no:cacheprovider tests/test_compress_device.py tests/test_runtime.py \
+  tests/test_bench_allreduce.py tests/test_train.py::test_device_flag_puts_the_model_on_the_gpu_or_refuses_without_one \
+  tests/test_bench_train.py::test_device_cuda_times_every_mode_on_the_gpu_or_is_refused_without_one \
   2>&1 | tee "$LOG/serial.txt" || rc=1
 for n in ${HPCDP_GPU_NP:-1 2}; do
   echo "== multi-rank device tests, np=$n"

@@ -1,0 +1,42 @@
+"""``hpcdp-bench allreduce`` under mpirun -np 2 (serial tests): the record format,
+and the GPU variant where CUDA is present (else its clean refusal)."""
+import json
+
+import pytest
+
+from launch import run_mpi
+
+
+def _records(stdout):
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.timeout(120)
+def test_records_give_both_times_the_busbw_and_their_ratio():
+    p = run_mpi(2, ["-m", "hpcdp.cli.bench", "allreduce", "--sizes", "4k,100k", "--trials", "2",
+                    "--min-time", "0.01", "--gloo"], timeout=100)
+    assert p.returncode == 0, p.stdout + p.stderr
+    recs = _records(p.stdout)
+    assert [r["bytes"] for r in recs] == [4096, 102400]  # printed by rank 0 only, once per size
+    for r in recs:
+        assert r["bench"] == "allreduce" and r["np"] == 2 and r["device"] == "cpu" and r["check"]
+        for peer in ("hpcdp", "native", "gloo"):
+            assert r[f"{peer}_time_s"] > 0
+            # busbw = 2 (n-1)/n * bytes / time, in GB/s
+            assert r[f"{peer}_busbw"] == pytest.approx(r["bytes"] / r[f"{peer}_time_s"] / 1e9)
+        assert r["ratio"] == pytest.approx(r["native_time_s"] / r["hpcdp_time_s"])
+        assert r["ratio_gloo"] == pytest.approx(r["gloo_time_s"] / r["hpcdp_time_s"])
+
+
+@pytest.mark.timeout(120)
+def test_device_cuda_runs_on_the_gpu_or_is_refused_without_one():
+    torch = pytest.importorskip("torch")
+    p = run_mpi(2, ["-m", "hpcdp.cli.bench", "allreduce", "--device", "cuda", "--sizes", "64k",
+                    "--trials", "1", "--min-time", "0.01"], timeout=100)
+    if not torch.cuda.is_available():
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert "--device cuda, but this process sees no CUDA device" in p.stderr
+        return
+    assert p.returncode == 0, p.stdout + p.stderr
+    (r,) = _records(p.stdout)
+    assert r["device"] == "cuda" and r["native"] in ("device", "staged") and r["cuda_aware_how"]
