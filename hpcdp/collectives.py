@@ -35,14 +35,24 @@ class MismatchError(CommError):
     """Ranks passed different lengths, dtypes or ops to the same collective."""
 
 
-def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int = 0, where=None):
-    """Generator: make sure every rank called ``what`` with the same arguments."""
+def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int = 0, where=None,
+                     blocking: bool = False):
+    """Generator: make sure every rank called ``what`` with the same arguments.
+
+    ``blocking`` (the blocking API calls, whose caller waits anyway): the MPI
+    library's blocking ``MPI_Allreduce``, whose small-message algorithms are
+    faster than its nonblocking schedule; else ``MPI_Iallreduce``, so that the
+    engine can drive other work while it is in flight (poll mode).
+    """
     if where is not None:
         where["phase"] = "argument check (native allreduce over all ranks)"
     fields = [kind, buf.n, buf.dtype.code, op, extra]
     # max of each field and of its negation: every rank passed the same iff max == -min
     sig = np.array(fields + [-f for f in fields], dtype=np.int64)
-    yield comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX)
+    if blocking:
+        comm.Allreduce(MPI.IN_PLACE, sig, MPI.MAX)
+    else:
+        yield comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX)
     got = sig.tolist()
     k = len(fields)
     if got[:k] == [-v for v in got[k:]]:
@@ -67,11 +77,12 @@ def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int =
 
 
 
-def _allreduce_gen(rt, buf, op: int, check: bool, tag: int, stats, where, comp, state, on_step):
+def _allreduce_gen(rt, buf, op: int, check: bool, blocking: bool, tag: int, stats, where, comp, state,
+                   on_step):
     comm, MPI = rt.comm, rt.MPI
     if check:
         yield from _signature_check(comm, MPI, "allreduce", _KINDS["allreduce"], buf, op,
-                                    _compression_code(comp), where)
+                                    _compression_code(comp), where, blocking)
     average = op == _OPS["avg"]
     size = rt.size
     device = buf.kind == "device"
@@ -189,24 +200,24 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     ``x`` must not be touched until the handle completes.
     """
     rt = runtime("allreduce_async()")
-    return rt.engine.submit(*_prepare_allreduce(rt, x, op, name, check, stats, compression, state,
-                                                on_step))
+    return rt.engine.submit(*_prepare_allreduce(rt, x, op, name, check, False, stats, compression,
+                                                state, on_step))
 
 
 def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
               stats: dict | None = None, compression=None, state=None):
     """In-place allreduce of ``x`` (blocking); returns ``x``. See :func:`allreduce_async`."""
     rt = runtime("allreduce()")
-    return rt.engine.run(*_prepare_allreduce(rt, x, op, name, check, stats, compression, state,
+    return rt.engine.run(*_prepare_allreduce(rt, x, op, name, check, True, stats, compression, state,
                                              None))
 
 
-def _prepare_allreduce(rt, x, op, name, check, stats, compression, state, on_step):
+def _prepare_allreduce(rt, x, op, name, check, blocking, stats, compression, state, on_step):
     buf = as_buffer(x, name or "tensor")
     code = _parse_op(op, buf)
     comp = _compression(compression, buf)
     where = {}
-    gen = _allreduce_gen(rt, buf, code, check, rt.engine.next_tag(), stats, where, comp, state,
+    gen = _allreduce_gen(rt, buf, code, check, blocking, rt.engine.next_tag(), stats, where, comp, state,
                          on_step)
     return gen, f"allreduce({buf.name})", x, where
 
@@ -218,9 +229,10 @@ def synchronize(handles) -> list:
     return [h.wait() for h in handles]
 
 
-def _broadcast_gen(rt, buf, root: int, where):
+def _broadcast_gen(rt, buf, root: int, where, blocking: bool):
     comm, MPI = rt.comm, rt.MPI
-    yield from _signature_check(comm, MPI, "broadcast", _KINDS["broadcast"], buf, 0, root, where)
+    yield from _signature_check(comm, MPI, "broadcast", _KINDS["broadcast"], buf, 0, root, where,
+                                blocking)
     where["phase"] = f"broadcast from rank {root}"
     if rt.size == 1 or buf.n == 0:
         return
@@ -242,21 +254,21 @@ def _broadcast_gen(rt, buf, root: int, where):
 def broadcast_async(x, root: int = 0, name: str | None = None) -> Handle:
     """Start an in-place broadcast of ``x`` from ``root``; returns a :class:`Handle`."""
     rt = runtime("broadcast_async()")
-    return rt.engine.submit(*_prepare_broadcast(rt, x, root, name))
+    return rt.engine.submit(*_prepare_broadcast(rt, x, root, name, False))
 
 
 def broadcast(x, root: int = 0, name: str | None = None):
     """In-place broadcast of ``x`` from ``root`` (blocking); returns ``x``."""
     rt = runtime("broadcast()")
-    return rt.engine.run(*_prepare_broadcast(rt, x, root, name))
+    return rt.engine.run(*_prepare_broadcast(rt, x, root, name, True))
 
 
-def _prepare_broadcast(rt, x, root, name):
+def _prepare_broadcast(rt, x, root, name, blocking):
     if not 0 <= root < rt.size:
         raise ValueError(f"broadcast root {root} is not a rank of this job (size {rt.size})")
     buf = as_buffer(x, name or "tensor")
     where = {}
-    return _broadcast_gen(rt, buf, root, where), f"broadcast({buf.name})", x, where
+    return _broadcast_gen(rt, buf, root, where, blocking), f"broadcast({buf.name})", x, where
 
 
 def _barrier_gen(rt, where):

@@ -7,13 +7,18 @@ import hpcdp
 pytestmark = pytest.mark.mpi
 
 
-def test_mismatched_lengths_name_the_ranks(world):
+@pytest.mark.parametrize("call", ["blocking", "async"])
+def test_mismatched_lengths_name_the_ranks(world, call):
+    """Blocking calls check with MPI_Allreduce, nonblocking ones with MPI_Iallreduce."""
     rank, size = world.Get_rank(), world.Get_size()
     if size < 2:
         pytest.skip("needs two ranks to disagree")
     x = np.zeros(10 + (rank == size - 1), dtype=np.float32)
     with pytest.raises(hpcdp.MismatchError) as e:
-        hpcdp.allreduce(x, name="grad.fc1")
+        if call == "blocking":
+            hpcdp.allreduce(x, name="grad.fc1")
+        else:
+            hpcdp.allreduce_async(x, name="grad.fc1").wait()
     msg = str(e.value)
     assert f"rank {rank}" in msg and "'grad.fc1'" in msg
     assert f"ranks {size - 1}: allreduce of 11 elements of float32" in msg
@@ -42,6 +47,8 @@ def test_mismatched_broadcast_root(world):
         pytest.skip("needs two ranks to disagree")
     with pytest.raises(hpcdp.MismatchError, match="root=1"):
         hpcdp.broadcast(np.zeros(3), root=0 if rank == 0 else 1)
+    with pytest.raises(hpcdp.MismatchError, match="root=1"):
+        hpcdp.broadcast_async(np.zeros(3), root=0 if rank == 0 else 1).wait()
 
 
 def test_non_contiguous_and_unsupported(world):
