@@ -34,3 +34,15 @@ def run_mpi(np_: int, args, timeout: float, env=None) -> subprocess.CompletedPro
     cmd = [mpirun(), "-np", str(np_), sys.executable, *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=mpi_env(env),
                           cwd=str(ROOT))
+
+
+def ran_on_cuda(p: subprocess.CompletedProcess, refusal: str) -> bool:
+    """For a ``--device cuda`` run: True when CUDA is present and the run succeeded; without
+    CUDA, assert that it was refused (exit 2, ``refusal`` on stderr) and return False."""
+    import torch
+    if not torch.cuda.is_available():
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert refusal in p.stderr, p.stderr
+        return False
+    assert p.returncode == 0, p.stdout + p.stderr
+    return True
