@@ -17,7 +17,7 @@ from .comm.buffers import HostOps, TorchCudaOps, as_buffer
 from .comm.dtypes import dtype_from_code
 from .comm.engine import CommError, Handle, rank_ranges
 from .comm.ring import (CompressedCodec, DeviceCompressedCodec, PlainCodec, RingConfig,
-                        StagedCompressedCodec, ring_allreduce)
+                        StagedCompressedCodec, ring_allreduce, ring_allreduce_blocking)
 from .comm.twophase import HOST_FRAMES, DeviceFrames, StagedFrames, twophase_allreduce
 
 __all__ = ["allreduce", "allreduce_async", "synchronize", "broadcast", "broadcast_async",
@@ -121,20 +121,32 @@ def _allreduce_gen(rt, buf, op: int, check: bool, blocking: bool, tag: int, stat
         if device:
             buf.ops.ready()  # the last decodes are done before the handle completes
         return
-    itemsize = buf.dtype.itemsize
-    seg = max(1, _cfg.segment_bytes // itemsize)
     if device and not rt.cuda_aware:
         host = rt.staging(buf)
         buf.ops.to_host(buf.data, host)
         hbuf = type(buf)(host, buf.n, buf.dtype, HostOps(buf.dtype), buf.name)
-        yield from ring_allreduce(comm, MPI, buf.n, PlainCodec(hbuf, average, size),
-                                  rt.tmp(hbuf, _cfg.window * seg), tag, _cfg, itemsize, stats, where,
-                                  on_step)
+        yield from _plain_allreduce(rt, hbuf, average, blocking, tag, stats, where, on_step)
         buf.ops.from_host(host, buf.data)
     else:
-        yield from ring_allreduce(comm, MPI, buf.n, PlainCodec(buf, average, size),
-                                  rt.tmp(buf, _cfg.window * seg), tag, _cfg, itemsize, stats, where,
-                                  on_step)
+        yield from _plain_allreduce(rt, buf, average, blocking, tag, stats, where, on_step)
+
+
+def _plain_allreduce(rt, buf, average, blocking, tag, stats, where, on_step):
+    """Generator: the uncompressed ring over a host buffer, or a device buffer MPI reads."""
+    comm, MPI, size = rt.comm, rt.MPI, rt.size
+    itemsize = buf.dtype.itemsize
+    codec = PlainCodec(buf, average, size)
+    width = -(-buf.n // size)  # the largest chunk
+    if blocking and on_step is None and buf.kind == "host" and width * itemsize <= _cfg.segment_bytes \
+            and not rt.engine.yield_cpu:
+        # one message per chunk and a caller that waits anyway: MPI_Sendrecv steps (not where
+        # ranks outnumber cores: waiting inside MPI would keep the core from the peer)
+        ring_allreduce_blocking(comm, MPI, buf.n, codec, rt.tmp(buf, width), tag, itemsize, stats,
+                                where)
+        return
+    seg = max(1, _cfg.segment_bytes // itemsize)
+    yield from ring_allreduce(comm, MPI, buf.n, codec, rt.tmp(buf, _cfg.window * seg), tag, _cfg,
+                              itemsize, stats, where, on_step)
 
 
 def _compression(compression, buf):

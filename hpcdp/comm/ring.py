@@ -27,7 +27,7 @@ from time import perf_counter_ns
 
 from .schedule import RingSchedule
 
-__all__ = ["ring_allreduce", "RingConfig", "PlainCodec", "CompressedCodec", "DeviceCompressedCodec",
+__all__ = ["ring_allreduce", "ring_allreduce_blocking", "RingConfig", "PlainCodec", "CompressedCodec", "DeviceCompressedCodec",
            "StagedCompressedCodec"]
 
 
@@ -316,5 +316,51 @@ def ring_allreduce(comm, MPI, n: int, codec, tmp, tag: int, cfg: RingConfig, ite
         where["peer"], where["phase"] = right, "final sends"
         yield leftover
     if stats is not None:
+        stats["bytes_sent"] = stats.get("bytes_sent", 0) + plan.sent * itemsize
+        stats["bytes_recv"] = stats.get("bytes_recv", 0) + plan.received * itemsize
+
+
+def ring_allreduce_blocking(comm, MPI, n: int, codec, tmp, tag: int, itemsize: int, stats=None,
+                            where=None) -> None:
+    """The same ring for a blocking call whose chunks each fit in one message.
+
+    Each of the ``2 (size - 1)`` steps is one ``MPI_Sendrecv`` (send to the right,
+    receive from the left) followed by the codec's reduction or forwarding: the
+    schedule, the messages and the additions of :func:`ring_allreduce` with one
+    segment per chunk, so the same bits, without the requests, the generator's round
+    trips through the engine and the per-message bookkeeping (the small-buffer case
+    is bounded by that overhead). ``tmp`` holds at least the largest chunk; a step
+    whose chunk is empty sends an empty message, as both neighbours agree on it.
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1 or n == 0:
+        codec.single()
+        return
+    sched = RingSchedule(n, size, rank, max(n, 1))
+    bounds = sched.bounds
+    left, right = sched.left, sched.right
+    BYTE = MPI.BYTE
+    Sendrecv = comm.Sendrecv
+    if where is None:
+        where = {}
+    where["peer"], where["phase"] = left, "scatter-reduce"
+    last = size - 2
+    out = None
+    for i, (s_chunk, r_chunk) in enumerate(sched.reduce_scatter()):
+        where["step"] = i
+        if i == 0:
+            out = codec.first(bounds[s_chunk], bounds[s_chunk + 1])
+        lo, hi = bounds[r_chunk], bounds[r_chunk + 1]
+        slot = tmp[:hi - lo]
+        Sendrecv([out, BYTE], right, tag, [slot, BYTE], left, tag)
+        out = codec.reduce(lo, hi, slot, i == last)
+    where["phase"] = "allgather"
+    for j, (_, r_chunk) in enumerate(sched.allgather()):
+        where["step"] = j
+        lo, hi = bounds[r_chunk], bounds[r_chunk + 1]
+        Sendrecv([out, BYTE], right, tag, [codec.ag_target(lo, hi), BYTE], left, tag)
+        out = codec.ag_done(lo, hi)
+    if stats is not None:
+        plan = _plan(n, size, rank, max(n, 1))
         stats["bytes_sent"] = stats.get("bytes_sent", 0) + plan.sent * itemsize
         stats["bytes_recv"] = stats.get("bytes_recv", 0) + plan.received * itemsize
