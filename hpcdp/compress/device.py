@@ -49,9 +49,7 @@ class TorchHalfPrecision(HalfPrecision):
     """fp16 or bf16 on the wire, float32 arithmetic in between, in torch ops."""
 
     def __init__(self, wire="fp16"):
-        if wire not in self._FORMATS:
-            raise ValueError(f"unknown half-precision wire format {wire!r}; valid: fp16, bf16")
-        self._fmt, dtype, _ = self._FORMATS[wire]
+        self._fmt, dtype, _ = self._format(wire)
         self.wire_dtype = np.dtype(dtype)  # the host payload type (sizes, byte counts)
         self.torch_wire_dtype = _TORCH_WIRE[wire]
         self.name = wire
@@ -132,9 +130,7 @@ class TorchOneBit(OneBit):
     _RESIDUALS = (np.ndarray, torch.Tensor)  # host residuals are moved to the device
 
     def __init__(self, warmup_steps=0):
-        if int(warmup_steps) < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        self.warmup_steps = int(warmup_steps)
+        self.warmup_steps = self._warmup(warmup_steps)
         self.impl = "torch"
         self._backend = torch_kernels
 

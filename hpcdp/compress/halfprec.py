@@ -104,13 +104,18 @@ class HalfPrecision(RingCompressor):
     _FORMATS = {"fp16": (FMT_FP16, np.float16, 0x7C00), "bf16": (FMT_BF16, np.uint16, 0x7F80)}
 
     def __init__(self, wire="fp16", impl="numba"):
-        if wire not in self._FORMATS:
-            raise ValueError(f"unknown half-precision wire format {wire!r}; valid: fp16, bf16")
-        self._fmt, dtype, self._exponent_mask = self._FORMATS[wire]
+        self._fmt, dtype, self._exponent_mask = self._format(wire)
         self.wire_dtype = np.dtype(dtype)
         self.name = wire
         self.impl = impl
         self._backend = load_backend(impl)
+
+    @classmethod
+    def _format(cls, wire):
+        """``(kernel format, numpy wire dtype, exponent mask)`` of ``wire``, or a clear error."""
+        if wire not in cls._FORMATS:
+            raise ValueError(f"unknown half-precision wire format {wire!r}; valid: fp16, bf16")
+        return cls._FORMATS[wire]
 
     def __repr__(self):
         return f"HalfPrecision(wire={self.name!r}, impl={self.impl!r})"

@@ -61,11 +61,16 @@ class OneBit(Compressor):
     collective = "two_phase"
 
     def __init__(self, warmup_steps=0, impl="numba"):
-        if int(warmup_steps) < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        self.warmup_steps = int(warmup_steps)
+        self.warmup_steps = self._warmup(warmup_steps)
         self.impl = impl
         self._backend = load_backend(impl)
+
+    @staticmethod
+    def _warmup(warmup_steps) -> int:
+        """``warmup_steps`` as a count, or a clear error."""
+        if int(warmup_steps) < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        return int(warmup_steps)
 
     def __repr__(self):
         return f"OneBit(warmup_steps={self.warmup_steps}, impl={self.impl!r})"
