@@ -99,13 +99,6 @@ def _count(text: str) -> int:
     return n
 
 
-def _share(n: int, size: int, rank: int) -> tuple[int, int]:
-    """[lo, hi) of this rank's part of n items: the first n % size ranks get one more."""
-    base, extra = divmod(n, size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
-
-
 # Fault injection for tests/test_slurm_jobs.py; off unless the variable is set, and on
 # purpose not a command-line option. "ACTION:STEP[:RANK]" acts on rank RANK (default 0)
 # just before global step STEP (counted from 0) computes. pause: write <checkpoint>.paused
@@ -170,7 +163,7 @@ def main(argv=None) -> int:
     import hpcdp
     from . import checkpoint, preempt
     from ._runtime import runtime
-    from .torch.zoo import build_model, load_digits_split, synthetic_dataset
+    from .torch.zoo import build_model, load_digits_split, rank_share, synthetic_dataset
 
     hpcdp.init()
     # before anything slow: until the handler is installed, SIGUSR1 kills the rank
@@ -258,7 +251,7 @@ def main(argv=None) -> int:
             with open(args.log_json, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    te_lo, te_hi = _share(len(x_te), size, rank)
+    te_lo, te_hi = rank_share(len(x_te), size, rank)
     bar = _Bar(rank == 0 and (args.progress == "always"
                               or (args.progress == "auto" and sys.stderr.isatty())))
     say(f"hpcdp.train: model {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters), "
@@ -289,7 +282,7 @@ def main(argv=None) -> int:
             if hook is not None and step == hook[1] and rank == hook[2]:
                 _fire_test_hook(hook[0], step, rank, stop, args.checkpoint)
             idx = perm[i * B:(i + 1) * B]
-            lo, hi = _share(len(idx), size, rank)
+            lo, hi = rank_share(len(idx), size, rank)
             mine = idx[lo:hi]
             opt.zero_grad()
             out = ddp(x_tr[mine])

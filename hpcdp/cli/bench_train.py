@@ -223,12 +223,6 @@ class _Runner:
         return None
 
 
-def _share(n, size, rank):
-    base, extra = divmod(n, size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
-
-
 def _sleep_until_all_arrive(comm) -> None:
     """Barrier that does not spin (idle ranks must not steal the cores being timed)."""
     req = comm.Ibarrier()
@@ -248,14 +242,14 @@ def _ratios(num, den, paired: bool, key: str, out: dict, attr: str = "step_times
 
 def _bench_model(model_name, variants, compressions, args, rt, comms) -> bool:
     import hpcdp
-    from ..torch.zoo import MODELS, synthetic_batches
+    from ..torch.zoo import MODELS, rank_share, synthetic_batches
     steps, warmup = _DEFAULT_STEPS.get(model_name, (10, 2))
     steps = args.steps or steps
     warmup = warmup if args.warmup < 0 else args.warmup
     rounds = steps if args.rounds <= 0 else max(1, min(args.rounds, steps))
     B, size, rank = args.global_batch, rt.size, rt.rank
     batches = synthetic_batches(4, B, seed=42, features=MODELS[model_name][0])
-    lo, hi = _share(B, size, rank)
+    lo, hi = rank_share(B, size, rank)
     batches = [(x.to(comms["device"]), y.to(comms["device"])) for x, y in batches]
     local = [(x[lo:hi], y[lo:hi]) for x, y in batches]
     ctl = comms["native"]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 __all__ = ["MODELS", "build_model", "parameter_count", "load_digits_split", "synthetic_batches",
-           "synthetic_dataset"]
+           "synthetic_dataset", "rank_share"]
 
 MODELS = {
     "digits": [64, 128, 64, 10],
@@ -25,6 +25,14 @@ MODELS = {
     "mlp-large": [784, 4096, 4096, 2048, 2048, 1024, 512, 10],
     "mlp-xlarge": [784, 4096, 4096, 4096, 2048, 2048, 1024, 512, 10],
 }
+
+
+def rank_share(n: int, size: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) of ``rank``'s part of ``n`` items split over ``size`` ranks: the first
+    ``n % size`` ranks get one more (how a global batch is divided)."""
+    base, extra = divmod(n, size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
 
 
 def build_model(name: str, seed: int = 0) -> torch.nn.Sequential:
