@@ -27,8 +27,8 @@ from time import perf_counter_ns
 
 from .schedule import RingSchedule
 
-__all__ = ["ring_allreduce", "ring_allreduce_blocking", "RingConfig", "PlainCodec", "CompressedCodec", "DeviceCompressedCodec",
-           "StagedCompressedCodec"]
+__all__ = ["ring_allreduce", "ring_allreduce_blocking", "RingConfig", "PlainCodec", "CompressedCodec",
+           "DeviceCompressedCodec", "StagedCompressedCodec"]
 
 
 class RingConfig:
@@ -44,12 +44,17 @@ class RingConfig:
 class _Plan:
     """Everything index-related for one (n, size, rank, segment): computed once."""
 
-    __slots__ = ("left", "right", "incoming", "first_sends", "ag_recv", "sent", "received")
+    __slots__ = ("left", "right", "incoming", "first_sends", "ag_recv", "sent", "received",
+                 "first_chunk", "rs_chunks", "ag_chunks")
 
     def __init__(self, n, size, rank, seg):
         sched = RingSchedule(n, size, rank, seg)
         self.left, self.right = sched.left, sched.right
         rs = sched.reduce_scatter()
+        # whole chunks, empty ones included (ring_allreduce_blocking: one message per step)
+        self.first_chunk = sched.chunk_range(rs[0][0]) if rs else (0, 0)
+        self.rs_chunks = tuple(sched.chunk_range(c) for _, c in rs)
+        self.ag_chunks = tuple(sched.chunk_range(c) for _, c in sched.allgather())
         # scatter-reduce messages received, in order: (step, lo, hi)
         self.incoming = tuple((i, lo, hi) for i, (_, c) in enumerate(rs)
                               for lo, hi in sched.chunk_segments(c))
@@ -336,31 +341,25 @@ def ring_allreduce_blocking(comm, MPI, n: int, codec, tmp, tag: int, itemsize: i
     if size == 1 or n == 0:
         codec.single()
         return
-    sched = RingSchedule(n, size, rank, max(n, 1))
-    bounds = sched.bounds
-    left, right = sched.left, sched.right
+    plan = _plan(n, size, rank, max(n, 1))
+    left, right = plan.left, plan.right
     BYTE = MPI.BYTE
     Sendrecv = comm.Sendrecv
     if where is None:
         where = {}
     where["peer"], where["phase"] = left, "scatter-reduce"
     last = size - 2
-    out = None
-    for i, (s_chunk, r_chunk) in enumerate(sched.reduce_scatter()):
+    out = codec.first(*plan.first_chunk)
+    for i, (lo, hi) in enumerate(plan.rs_chunks):
         where["step"] = i
-        if i == 0:
-            out = codec.first(bounds[s_chunk], bounds[s_chunk + 1])
-        lo, hi = bounds[r_chunk], bounds[r_chunk + 1]
         slot = tmp[:hi - lo]
         Sendrecv([out, BYTE], right, tag, [slot, BYTE], left, tag)
         out = codec.reduce(lo, hi, slot, i == last)
     where["phase"] = "allgather"
-    for j, (_, r_chunk) in enumerate(sched.allgather()):
+    for j, (lo, hi) in enumerate(plan.ag_chunks):
         where["step"] = j
-        lo, hi = bounds[r_chunk], bounds[r_chunk + 1]
         Sendrecv([out, BYTE], right, tag, [codec.ag_target(lo, hi), BYTE], left, tag)
         out = codec.ag_done(lo, hi)
     if stats is not None:
-        plan = _plan(n, size, rank, max(n, 1))
         stats["bytes_sent"] = stats.get("bytes_sent", 0) + plan.sent * itemsize
         stats["bytes_recv"] = stats.get("bytes_recv", 0) + plan.received * itemsize
