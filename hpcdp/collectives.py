@@ -2,7 +2,7 @@
 
 All of them go through the progress engine, so blocking and nonblocking calls
 complete in submission order on every rank. ``allreduce`` checks by default
-that every rank passed the same length, dtype and op (one 56-byte native
+that every rank passed the same length, dtype and op (one 80-byte native
 allreduce); a mismatch raises :class:`MismatchError` on every rank, naming what
 each rank passed, instead of hanging or corrupting memory.
 """
@@ -39,10 +39,10 @@ def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int =
                      blocking: bool = False):
     """Generator: make sure every rank called ``what`` with the same arguments.
 
-    ``blocking`` (the blocking API calls, whose caller waits anyway): the MPI
-    library's blocking ``MPI_Allreduce``, whose small-message algorithms are
-    faster than its nonblocking schedule; else ``MPI_Iallreduce``, so that the
-    engine can drive other work while it is in flight (poll mode).
+    ``blocking`` (see :func:`_may_wait_in_mpi`): the MPI library's blocking
+    ``MPI_Allreduce``, whose small-message algorithms are faster than its
+    nonblocking schedule; else ``MPI_Iallreduce``, so that the engine can drive
+    other work while it is in flight (poll mode) or wait by testing and yielding.
     """
     if where is not None:
         where["phase"] = "argument check (native allreduce over all ranks)"
@@ -137,10 +137,8 @@ def _plain_allreduce(rt, buf, average, blocking, tag, stats, where, on_step):
     itemsize = buf.dtype.itemsize
     codec = PlainCodec(buf, average, size)
     width = -(-buf.n // size)  # the largest chunk
-    if blocking and on_step is None and buf.kind == "host" and width * itemsize <= _cfg.segment_bytes \
-            and not rt.engine.yield_cpu:
-        # one message per chunk and a caller that waits anyway: MPI_Sendrecv steps (not where
-        # ranks outnumber cores: waiting inside MPI would keep the core from the peer)
+    if blocking and on_step is None and buf.kind == "host" and width * itemsize <= _cfg.segment_bytes:
+        # one message per chunk and a caller that may wait inside MPI: MPI_Sendrecv steps
         ring_allreduce_blocking(comm, MPI, buf.n, codec, rt.tmp(buf, width), tag, itemsize, stats,
                                 where)
         return
@@ -224,7 +222,17 @@ def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
                                              None))
 
 
+def _may_wait_in_mpi(rt, blocking: bool) -> bool:
+    """Whether an operation may wait inside blocking MPI calls (the argument check's
+    ``MPI_Allreduce``, the small ring's ``MPI_Sendrecv`` steps): only for the blocking
+    API calls, whose caller waits anyway, and not where ranks outnumber cores
+    (``HPCDP_WAIT=yield``), where a rank waiting inside MPI keeps the core from the
+    peer it waits for and the engine's test-and-yield wait on requests is used instead."""
+    return blocking and not rt.engine.yield_cpu
+
+
 def _prepare_allreduce(rt, x, op, name, check, blocking, stats, compression, state, on_step):
+    blocking = _may_wait_in_mpi(rt, blocking)
     buf = as_buffer(x, name or "tensor")
     code = _parse_op(op, buf)
     comp = _compression(compression, buf)
@@ -276,6 +284,7 @@ def broadcast(x, root: int = 0, name: str | None = None):
 
 
 def _prepare_broadcast(rt, x, root, name, blocking):
+    blocking = _may_wait_in_mpi(rt, blocking)
     if not 0 <= root < rt.size:
         raise ValueError(f"broadcast root {root} is not a rank of this job (size {rt.size})")
     buf = as_buffer(x, name or "tensor")

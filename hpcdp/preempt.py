@@ -75,7 +75,7 @@ class PreemptionHandler:
         """Collective: True on every rank iff any rank got a signal before its call.
 
         Call it on every rank at the same point of every step (a step boundary).
-        Costs one allreduce of 4 bytes (and hpcdp's argument check, a 56-byte one).
+        Costs one allreduce of 4 bytes (and hpcdp's argument check, an 80-byte one).
         """
         runtime("preempt.should_stop()")
         self._flag[0] = 1 if self.received is not None else 0
