@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import traceback
 
 from .comm.engine import Engine
@@ -207,10 +208,19 @@ def finalize() -> None:
             _rt = None
 
 
+def _say_before_abort(rt: _Runtime, text: str) -> None:
+    """Write ``text`` (naming this rank) to stderr in time for the launcher to forward it:
+    MPI_Abort kills every rank and the launcher's I/O forwarding with them, and a message
+    still in the pipe is lost (seen once in CI: a stall abort whose job printed nothing)."""
+    sys.stderr.write(f"[hpcdp rank {rt.rank}/{rt.size} on {rt.hostname}] {text}")
+    sys.stderr.flush()
+    if rt.size > 1:
+        time.sleep(0.5)
+
+
 def _abort(rt: _Runtime, what: str, message: str) -> None:
     """Print ``message`` naming this rank, then end the whole job."""
-    sys.stderr.write(f"[hpcdp rank {rt.rank}/{rt.size} on {rt.hostname}] {what}: {message}\n")
-    sys.stderr.flush()
+    _say_before_abort(rt, f"{what}: {message}\n")
     # MPI_Abort may itself block when a peer is gone; make sure this process ends.
     threading.Timer(10.0, os._exit, args=(134,)).start()
     rt.MPI.COMM_WORLD.Abort(1)
@@ -222,9 +232,7 @@ def _install_abort_hook(rt: _Runtime) -> None:
 
     def hook(etype, value, tb):
         msg = "".join(traceback.format_exception(etype, value, tb))
-        sys.stderr.write(f"[hpcdp rank {rt.rank}/{rt.size} on {rt.hostname}] uncaught exception, "
-                         f"aborting the job:\n{msg}")
-        sys.stderr.flush()
+        _say_before_abort(rt, f"uncaught exception, aborting the job:\n{msg}")
         if rt.size > 1:
             rt.MPI.COMM_WORLD.Abort(1)
         previous(etype, value, tb)
