@@ -8,12 +8,14 @@ each rank passed, instead of hanging or corrupting memory.
 """
 from __future__ import annotations
 
+import functools
 import os
+from os import sched_yield
 
 import numpy as np
 
 from ._runtime import runtime
-from .comm.buffers import HostOps, TorchCudaOps, as_buffer
+from .comm.buffers import TorchCudaOps, as_buffer, host_ops
 from .comm.dtypes import dtype_from_code
 from .comm.engine import CommError, Handle, rank_ranges
 from .comm.ring import (CompressedCodec, DeviceCompressedCodec, PlainCodec, RingConfig,
@@ -35,6 +37,17 @@ class MismatchError(CommError):
     """Ranks passed different lengths, dtypes or ops to the same collective."""
 
 
+def _signature(kind: int, buf, op: int, extra: int, where):
+    """This rank's arguments (kind, length, dtype, op, extra) and the array the check
+    reduces: the max of each field and of its negation, so that every rank passed the
+    same iff max == -min."""
+    if where is not None:
+        where["phase"] = "argument check (native allreduce over all ranks)"
+    n, code = buf.n, buf.dtype.code
+    return (kind, n, code, op, extra), np.array((kind, n, code, op, extra, -kind, -n, -code, -op,
+                                                 -extra), dtype=np.int64)
+
+
 def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int = 0, where=None,
                      blocking: bool = False):
     """Generator: make sure every rank called ``what`` with the same arguments.
@@ -44,20 +57,36 @@ def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int =
     nonblocking schedule; else ``MPI_Iallreduce``, so that the engine can drive
     other work while it is in flight (poll mode) or wait by testing and yielding.
     """
-    if where is not None:
-        where["phase"] = "argument check (native allreduce over all ranks)"
-    fields = [kind, buf.n, buf.dtype.code, op, extra]
-    # max of each field and of its negation: every rank passed the same iff max == -min
-    sig = np.array(fields + [-f for f in fields], dtype=np.int64)
+    mine, sig = _signature(kind, buf, op, extra, where)
     if blocking:
         comm.Allreduce(MPI.IN_PLACE, sig, MPI.MAX)
     else:
         yield comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX)
+    _verify_signature(comm, what, buf, mine, sig)
+
+
+def _signature_check_now(rt, what: str, kind: int, buf, op: int, extra: int, where) -> None:
+    """The same check for an operation run as a plain function, whose caller waits:
+    ``MPI_Allreduce``, or where ranks outnumber cores ``MPI_Iallreduce`` tested with
+    ``sched_yield`` between tests (see :func:`_may_wait_in_mpi`)."""
+    comm, MPI = rt.comm, rt.MPI
+    mine, sig = _signature(kind, buf, op, extra, where)
+    if rt.engine.yield_cpu:
+        req = comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX)
+        while not req.Test():
+            sched_yield()
+    else:
+        comm.Allreduce(MPI.IN_PLACE, sig, MPI.MAX)
+    _verify_signature(comm, what, buf, mine, sig)
+
+
+def _verify_signature(comm, what: str, buf, mine: tuple, sig) -> None:
+    """Raise :class:`MismatchError` on every rank, naming what each passed, unless the
+    reduced ``sig`` says every rank passed ``mine``."""
     got = sig.tolist()
-    k = len(fields)
-    if got[:k] == [-v for v in got[k:]]:
+    if got[:5] == [-v for v in got[5:]]:
         return
-    everyone = comm.allgather(fields)
+    everyone = comm.allgather(list(mine))
     groups: dict[tuple, list[int]] = {}
     for r, f in enumerate(everyone):
         groups.setdefault(tuple(f), []).append(r)
@@ -76,13 +105,12 @@ def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int =
         "and op):\n" + "\n".join(lines))
 
 
-
 def _allreduce_gen(rt, buf, op: int, check: bool, blocking: bool, tag: int, stats, where, comp, state,
                    on_step):
     comm, MPI = rt.comm, rt.MPI
     if check:
         yield from _signature_check(comm, MPI, "allreduce", _KINDS["allreduce"], buf, op,
-                                    _compression_code(comp), where, blocking)
+                                    _compression_code(comp), where, _may_wait_in_mpi(rt, blocking))
     average = op == _OPS["avg"]
     size = rt.size
     device = buf.kind == "device"
@@ -124,11 +152,26 @@ def _allreduce_gen(rt, buf, op: int, check: bool, blocking: bool, tag: int, stat
     if device and not rt.cuda_aware:
         host = rt.staging(buf)
         buf.ops.to_host(buf.data, host)
-        hbuf = type(buf)(host, buf.n, buf.dtype, HostOps(buf.dtype), buf.name)
+        hbuf = type(buf)(host, buf.n, buf.dtype, host_ops(buf.dtype), buf.name)
         yield from _plain_allreduce(rt, hbuf, average, blocking, tag, stats, where, on_step)
         buf.ops.from_host(host, buf.data)
     else:
         yield from _plain_allreduce(rt, buf, average, blocking, tag, stats, where, on_step)
+
+
+def _small_allreduce(rt, buf, op: int, check: bool, tag: int, stats, where) -> None:
+    """A blocking call of a host buffer whose chunks each fit one message, as one plain
+    function: the check, then one exchange per ring step (:func:`ring_allreduce_blocking`).
+    The engine calls it directly when idle; this is the case bounded by per-call cost."""
+    if check:
+        _signature_check_now(rt, "allreduce", _KINDS["allreduce"], buf, op, 0, where)
+    codec = PlainCodec(buf, op == _OPS["avg"], rt.size)
+    ring_allreduce_blocking(rt.comm, rt.MPI, buf.n, codec, rt.tmp(buf, -(-buf.n // rt.size)), tag,
+                            buf.dtype.itemsize, stats, where, rt.engine.yield_cpu)
+
+
+def _fits_one_message(buf, size: int) -> bool:
+    return -(-buf.n // size) * buf.dtype.itemsize <= _cfg.segment_bytes
 
 
 def _plain_allreduce(rt, buf, average, blocking, tag, stats, where, on_step):
@@ -137,10 +180,11 @@ def _plain_allreduce(rt, buf, average, blocking, tag, stats, where, on_step):
     itemsize = buf.dtype.itemsize
     codec = PlainCodec(buf, average, size)
     width = -(-buf.n // size)  # the largest chunk
-    if blocking and on_step is None and buf.kind == "host" and width * itemsize <= _cfg.segment_bytes:
-        # one message per chunk and a caller that may wait inside MPI: MPI_Sendrecv steps
+    if blocking and on_step is None and buf.kind == "host" and _fits_one_message(buf, size):
+        # (a device buffer staged through host memory) one message per chunk and a caller
+        # that waits anyway: one exchange per step
         ring_allreduce_blocking(comm, MPI, buf.n, codec, rt.tmp(buf, width), tag, itemsize, stats,
-                                where)
+                                where, rt.engine.yield_cpu)
         return
     seg = max(1, _cfg.segment_bytes // itemsize)
     yield from ring_allreduce(comm, MPI, buf.n, codec, rt.tmp(buf, _cfg.window * seg), tag, _cfg,
@@ -227,19 +271,21 @@ def _may_wait_in_mpi(rt, blocking: bool) -> bool:
     ``MPI_Allreduce``, the small ring's ``MPI_Sendrecv`` steps): only for the blocking
     API calls, whose caller waits anyway, and not where ranks outnumber cores
     (``HPCDP_WAIT=yield``), where a rank waiting inside MPI keeps the core from the
-    peer it waits for and the engine's test-and-yield wait on requests is used instead."""
+    peer it waits for: there requests are tested, yielding the core between tests."""
     return blocking and not rt.engine.yield_cpu
 
 
 def _prepare_allreduce(rt, x, op, name, check, blocking, stats, compression, state, on_step):
-    blocking = _may_wait_in_mpi(rt, blocking)
     buf = as_buffer(x, name or "tensor")
     code = _parse_op(op, buf)
     comp = _compression(compression, buf)
     where = {}
-    gen = _allreduce_gen(rt, buf, code, check, blocking, rt.engine.next_tag(), stats, where, comp, state,
-                         on_step)
-    return gen, f"allreduce({buf.name})", x, where
+    tag = rt.engine.next_tag()
+    if blocking and comp is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
+        run = functools.partial(_small_allreduce, rt, buf, code, check, tag, stats, where)
+    else:
+        run = _allreduce_gen(rt, buf, code, check, blocking, tag, stats, where, comp, state, on_step)
+    return run, f"allreduce({buf.name})", x, where
 
 
 def synchronize(handles) -> list:

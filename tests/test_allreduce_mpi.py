@@ -30,14 +30,18 @@ def _assert_identical_everywhere(world, arr):
 
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("dtype", NP_DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("call", ["blocking", "async"])
-def test_numpy_sum_matches_oracle_and_reference(world, n, dtype, call):
-    """Blocking calls of small buffers take MPI_Sendrecv steps, the others the pipelined
-    nonblocking ring: both must give the ring's bits."""
+@pytest.mark.parametrize("call", ["blocking-spin", "blocking-yield", "async"])
+def test_numpy_sum_matches_oracle_and_reference(world, n, dtype, call, monkeypatch):
+    """Blocking calls of small buffers take one exchange per ring step (MPI_Sendrecv, or
+    with HPCDP_WAIT=yield an Irecv/Isend pair tested with sched_yield), the others the
+    pipelined nonblocking ring: all must give the ring's bits."""
+    from hpcdp._runtime import runtime
+    if call != "async":
+        monkeypatch.setattr(runtime().engine, "yield_cpu", call == "blocking-yield")
     rank, size = world.Get_rank(), world.Get_size()
     x = _inputs(rank, n, dtype)
     everyone = world.allgather(x.copy())
-    out = hpcdp.allreduce(x, op="sum") if call == "blocking" else hpcdp.allreduce_async(x, op="sum").wait()
+    out = hpcdp.allreduce(x, op="sum") if call != "async" else hpcdp.allreduce_async(x, op="sum").wait()
     assert out is x
     _assert_identical_everywhere(world, x)
     # bit-exact against the single-process replay of the same ring

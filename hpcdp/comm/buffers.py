@@ -23,7 +23,7 @@ import numpy as np
 
 from .dtypes import DType, dtype_from_name, host_add, host_scale
 
-__all__ = ["Buffer", "ArrayOps", "HostOps", "as_buffer", "register_device_ops"]
+__all__ = ["Buffer", "ArrayOps", "HostOps", "host_ops", "as_buffer", "register_device_ops"]
 
 _NUMPY_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32",
                 np.dtype(np.float64): "float64", np.dtype(np.int32): "int32",
@@ -72,6 +72,22 @@ class HostOps(ArrayOps):
 
     def scale(self, dst, divisor):
         host_scale(self.dtype, dst, divisor)
+
+
+_HOST_OPS: dict = {}
+
+
+def host_ops(dtype: DType) -> HostOps:
+    """The (stateless) :class:`HostOps` of ``dtype``, made once."""
+    ops = _HOST_OPS.get(dtype.name)
+    if ops is None:
+        ops = _HOST_OPS[dtype.name] = HostOps(dtype)
+    return ops
+
+
+# numpy dtype -> (DType, HostOps): the per-call lookup of as_buffer's numpy path
+_NUMPY_HOST = {nd: (dtype_from_name(name), host_ops(dtype_from_name(name)))
+               for nd, name in _NUMPY_NAMES.items()}
 
 
 class TorchCudaOps(ArrayOps):
@@ -157,7 +173,7 @@ def register_device_ops(array_type: type, ops_type: type) -> None:
     _DEVICE_OPS[array_type] = ops_type
 
 
-@dataclass
+@dataclass(slots=True)
 class Buffer:
     data: object        # flat 1-D view of the caller's memory (numpy array or device array)
     n: int
@@ -204,21 +220,22 @@ def _cai_contiguous(cai) -> bool:
 
 def as_buffer(x, name: str = "tensor") -> Buffer:
     """Return a flat :class:`Buffer` over ``x``'s memory, or raise a clear error."""
+    if isinstance(x, np.ndarray):
+        host = _NUMPY_HOST.get(x.dtype)
+        if host is None:
+            raise TypeError(f"hpcdp cannot reduce {name!r}: numpy dtype {x.dtype} is not supported "
+                            f"(supported: {', '.join(_NUMPY_NAMES.values())})")
+        flags = x.flags
+        if not flags.c_contiguous:
+            raise ValueError(f"hpcdp needs a contiguous buffer but {name!r} (shape {x.shape}, "
+                             f"strides {x.strides}) is not; pass np.ascontiguousarray(x) and copy back")
+        if not flags.writeable:
+            raise ValueError(f"hpcdp reduces in place but {name!r} is read-only")
+        flat = x.reshape(-1)
+        return Buffer(flat, flat.size, host[0], host[1], name)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         return _torch_buffer(torch, x, name)
-    if isinstance(x, np.ndarray):
-        if x.dtype not in _NUMPY_NAMES:
-            raise TypeError(f"hpcdp cannot reduce {name!r}: numpy dtype {x.dtype} is not supported "
-                            f"(supported: {', '.join(_NUMPY_NAMES.values())})")
-        if not x.flags.c_contiguous:
-            raise ValueError(f"hpcdp needs a contiguous buffer but {name!r} (shape {x.shape}, "
-                             f"strides {x.strides}) is not; pass np.ascontiguousarray(x) and copy back")
-        if not x.flags.writeable:
-            raise ValueError(f"hpcdp reduces in place but {name!r} is read-only")
-        d = dtype_from_name(_NUMPY_NAMES[x.dtype])
-        flat = x.reshape(-1)
-        return Buffer(flat, flat.size, d, HostOps(d), name)
     if hasattr(x, "__cuda_array_interface__"):
         return _cai_buffer(x, name)
     raise TypeError(f"hpcdp cannot reduce {name!r} of type {type(x).__module__}.{type(x).__qualname__}; "
@@ -243,7 +260,7 @@ def _torch_buffer(torch, t, name) -> Buffer:
         return Buffer(flat, flat.numel(), d, TorchCudaOps(d, t.device), name)
     if t.device.type != "cpu":
         raise TypeError(f"hpcdp cannot reduce {name!r} on device {t.device}; CPU and CUDA only")
-    return Buffer(_tensor_numpy(flat, d), flat.numel(), d, HostOps(d), name)
+    return Buffer(_tensor_numpy(flat, d), flat.numel(), d, host_ops(d), name)
 
 
 def _cai_buffer(x, name) -> Buffer:

@@ -113,18 +113,25 @@ class Engine:
                 self._cv.notify_all()
         return h
 
-    def run(self, gen, name: str, result=None, where=None):
+    def run(self, op, name: str, result=None, where=None):
         """Run an operation to completion and return ``result`` (blocking call).
 
         With nothing queued or running it is driven right here, on the caller's
-        thread; otherwise it queues behind the pending operations.
+        thread; otherwise it queues behind the pending operations. ``op`` is an
+        operation generator, or a plain function making blocking MPI calls: called
+        directly when run here (none of the generator's round trips through the
+        engine, which cost most where ranks outnumber cores), else wrapped as a
+        one-step operation for whichever thread drives the queue.
         """
-        with self._cv:
+        call = None if hasattr(op, "send") else op
+        with self._lock:  # the condition's lock (cheaper to take directly)
             if self._closed:
                 raise CommError("hpcdp engine is shut down (hpcdp.finalize() was called)")
             self._seq += 1
-            h = Handle(self, gen, name, result, self._seq, where)
+            h = Handle(self, op if call is None else None, name, result, self._seq, where)
             if self._running is not None or self._queue:
+                if call is not None:
+                    h._gen = _call_once(call)
                 self._queue.append(h)
                 if self.mode == "thread":
                     self._ensure_thread()
@@ -136,11 +143,19 @@ class Engine:
                 inline = True
         if not inline:
             return h.wait()
-        self._step(h, block=True)
-        with self._cv:
+        if call is None:
+            self._step(h, block=True)
+        else:
+            try:
+                call()
+            except Exception as exc:
+                self._failed(h, exc)
+            h.t_end = time.perf_counter_ns()
+        with self._lock:
             self._running = None
             self._finish(h)
-            self._cv.notify_all()
+            if self._queue:  # submitted meanwhile: the thread waits for the engine to be free
+                self._cv.notify_all()
         if h._error is not None:
             raise h._error
         return h.result
@@ -177,12 +192,16 @@ class Engine:
                 h._pending = next(h._gen)
         except StopIteration:
             pass
-        except Exception as exc:  # surfaced to the caller in wait()
-            h._error = exc if isinstance(exc, CommError) else CommError(
-                f"rank {self.comm.Get_rank()}: {h.name} failed: {exc!r}")
-            h._error.__cause__ = exc
+        except Exception as exc:
+            self._failed(h, exc)
         h.t_end = time.perf_counter_ns()
         return True
+
+    def _failed(self, h: Handle, exc: Exception):
+        """Record the error that ``wait()`` raises to the caller, naming rank and operation."""
+        h._error = exc if isinstance(exc, CommError) else CommError(
+            f"rank {self.comm.Get_rank()}: {h.name} failed: {exc!r}")
+        h._error.__cause__ = exc
 
     def _started(self, h: Handle):
         h.t_start = time.perf_counter_ns()
@@ -342,6 +361,13 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+
+def _call_once(fn):
+    """A plain-function operation as a generator that needs no requests."""
+    fn()
+    return
+    yield  # noqa: unreachable; makes this a generator
 
 
 def rank_ranges(ranks: list[int]) -> str:

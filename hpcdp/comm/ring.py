@@ -23,6 +23,7 @@ straight into place and forwards each segment as it arrives.
 from __future__ import annotations
 
 import functools
+from os import sched_yield
 from time import perf_counter_ns
 
 from .schedule import RingSchedule
@@ -326,7 +327,7 @@ def ring_allreduce(comm, MPI, n: int, codec, tmp, tag: int, cfg: RingConfig, ite
 
 
 def ring_allreduce_blocking(comm, MPI, n: int, codec, tmp, tag: int, itemsize: int, stats=None,
-                            where=None) -> None:
+                            where=None, yield_cpu: bool = False) -> None:
     """The same ring for a blocking call whose chunks each fit in one message.
 
     Each of the ``2 (size - 1)`` steps is one ``MPI_Sendrecv`` (send to the right,
@@ -336,6 +337,10 @@ def ring_allreduce_blocking(comm, MPI, n: int, codec, tmp, tag: int, itemsize: i
     trips through the engine and the per-message bookkeeping (the small-buffer case
     is bounded by that overhead). ``tmp`` holds at least the largest chunk; a step
     whose chunk is empty sends an empty message, as both neighbours agree on it.
+
+    ``yield_cpu`` (ranks outnumber cores): a step is an ``Irecv``/``Isend`` pair
+    tested with ``sched_yield`` between tests instead of a ``Sendrecv`` spinning in
+    MPI, so that a waiting rank gives its core to the neighbour it waits for.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1 or n == 0:
@@ -344,7 +349,15 @@ def ring_allreduce_blocking(comm, MPI, n: int, codec, tmp, tag: int, itemsize: i
     plan = _plan(n, size, rank, max(n, 1))
     left, right = plan.left, plan.right
     BYTE = MPI.BYTE
-    Sendrecv = comm.Sendrecv
+    if yield_cpu:
+        Irecv, Isend, Testall = comm.Irecv, comm.Isend, MPI.Request.Testall
+
+        def Sendrecv(send, dest, sendtag, recv, source, recvtag):
+            reqs = [Irecv(recv, source, recvtag), Isend(send, dest, sendtag)]
+            while not Testall(reqs):
+                sched_yield()
+    else:
+        Sendrecv = comm.Sendrecv
     if where is None:
         where = {}
     where["peer"], where["phase"] = left, "scatter-reduce"
