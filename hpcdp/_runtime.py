@@ -63,10 +63,12 @@ class _Runtime:
             self.device = f"cuda:{index}"
         vendor, version = MPI.get_vendor()
         self.vendor = f"{vendor} {'.'.join(map(str, version))}"
-        from .comm.cuda import detect_cuda_aware
+        from .comm.cuda import detect_cuda_aware, loaded_libmpi
+        from .comm.waiting import decide_wait
         self.cuda_aware, self.cuda_aware_how = detect_cuda_aware(vendor)
-        self.oversubscribed = self.local_size > (os.cpu_count() or 1)
-        self.engine = Engine(self.comm, MPI, mode, self.oversubscribed)
+        self.yield_cpu, self.wait_how = decide_wait(self.local_size, os.cpu_count() or 1,
+                                                    loaded_libmpi())
+        self.engine = Engine(self.comm, MPI, mode, self.yield_cpu)
         self._tmp = {}
         self._staging = {}
         self._scratch = {}
@@ -196,6 +198,8 @@ def info() -> dict:
         "cuda_aware": rt.cuda_aware,
         "cuda_aware_how": rt.cuda_aware_how,
         "staging": rt.staging_mode(),
+        "wait": "yield" if rt.yield_cpu else "spin",
+        "wait_how": rt.wait_how,
     }
 
 

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         return 2
     comm, MPI = rt.comm, rt.MPI
     poll_comm = comm.Dup()
-    poll_engine = Engine(poll_comm, MPI, "poll", rt.oversubscribed)
+    poll_engine = Engine(poll_comm, MPI, "poll", rt.yield_cpu)
     a = torch.randn(args.matmul, args.matmul)
 
     def compute(units, poll=None):

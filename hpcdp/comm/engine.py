@@ -77,7 +77,7 @@ class Handle:
 
 
 class Engine:
-    def __init__(self, comm, MPI, mode: str | None = None, oversubscribed: bool = False):
+    def __init__(self, comm, MPI, mode: str | None = None, yield_cpu: bool = False):
         self.comm = comm
         self.MPI = MPI
         self.mode = mode or os.environ.get("HPCDP_PROGRESS", "thread")
@@ -92,13 +92,9 @@ class Engine:
         self._thread = None
         self._closed = False
         self.last_progress = monotonic()
-        # Oversubscribed nodes (more ranks than cores): a rank spinning inside
-        # MPI_Wait keeps the core from the neighbour it waits for. Test and give
-        # the core away instead. HPCDP_WAIT=spin|yield|auto.
-        wait = os.environ.get("HPCDP_WAIT", "auto")
-        if wait not in ("spin", "yield", "auto"):
-            raise ValueError(f"HPCDP_WAIT must be spin, yield or auto, got {wait!r}")
-        self.yield_cpu = wait == "yield" or (wait == "auto" and oversubscribed)
+        # wait by testing requests and yielding the core between tests, instead of
+        # inside MPI (see hpcdp.comm.waiting: more ranks than cores, an MPI that spins)
+        self.yield_cpu = yield_cpu
 
     # -- submission --------------------------------------------------------------
     def submit(self, gen, name: str, result=None, where=None) -> Handle:

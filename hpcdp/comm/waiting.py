@@ -1,0 +1,68 @@
+"""How a rank waits for messages: inside MPI, or testing and yielding the core.
+
+With no more ranks on a node than cores, waiting inside MPI (``MPI_Wait``,
+``MPI_Sendrecv``, ``MPI_Allreduce``) is fastest. With more ranks than cores, a
+rank spinning inside MPI keeps the core from the neighbour it waits for, unless
+the MPI library yields when idle by itself: Open MPI does when it knows the
+node is oversubscribed (its ``mpi_yield_when_idle``, which ``mpirun
+--oversubscribe`` turns on), MPICH does not. Where the library does not yield,
+hpcdp tests its requests and calls ``sched_yield`` between tests.
+
+``HPCDP_WAIT=spin|yield|auto`` (default ``auto``): ``auto`` decides as above
+and :func:`hpcdp.info` reports the decision and why (``wait``, ``wait_how``).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+__all__ = ["decide_wait", "mpi_yields_when_idle"]
+
+
+def mpi_yields_when_idle(libmpi: str | None) -> bool | None:
+    """Open MPI's ``mpi_yield_when_idle``, read through the MPI tool interface (MPI_T)
+    of the loaded library; ``None`` where the library has no such control variable
+    (MPICH) or MPI_T cannot be used."""
+    if libmpi is None:
+        return None
+    try:
+        lib = ctypes.CDLL(libmpi)
+        init, get_index = lib.MPI_T_init_thread, lib.MPI_T_cvar_get_index
+        alloc, read = lib.MPI_T_cvar_handle_alloc, lib.MPI_T_cvar_read
+        free, fini = lib.MPI_T_cvar_handle_free, lib.MPI_T_finalize
+    except (OSError, AttributeError):
+        return None
+    provided = ctypes.c_int()
+    if init(0, ctypes.byref(provided)) != 0:  # MPI_THREAD_SINGLE: one call, this thread
+        return None
+    try:
+        index = ctypes.c_int(-1)
+        if get_index(b"mpi_yield_when_idle", ctypes.byref(index)) != 0:
+            return None
+        handle, count = ctypes.c_void_p(), ctypes.c_int()
+        if alloc(index, None, ctypes.byref(handle), ctypes.byref(count)) != 0:
+            return None
+        try:
+            value = ctypes.c_int64(0)  # a bool or an int: either fits, zero-extended
+            if count.value != 1 or read(handle, ctypes.byref(value)) != 0:
+                return None
+            return value.value != 0
+        finally:
+            free(ctypes.byref(handle))
+    finally:
+        fini()
+
+
+def decide_wait(local_size: int, cores: int, libmpi: str | None) -> tuple[bool, str]:
+    """Return ``(yield_cpu, how_decided)``: whether waits test and ``sched_yield``."""
+    setting = os.environ.get("HPCDP_WAIT", "auto").strip().lower()
+    if setting not in ("spin", "yield", "auto"):
+        raise ValueError(f"HPCDP_WAIT must be spin, yield or auto, got {setting!r}")
+    if setting != "auto":
+        return setting == "yield", f"forced by HPCDP_WAIT={setting}"
+    if local_size <= cores:
+        return False, f"{local_size} ranks on this node, {cores} cores: wait inside MPI"
+    over = f"{local_size} ranks on this node, {cores} cores (oversubscribed)"
+    if mpi_yields_when_idle(libmpi):
+        return False, f"{over}, and the MPI yields when idle (mpi_yield_when_idle=1): wait inside MPI"
+    return True, f"{over}: test requests and sched_yield between tests"

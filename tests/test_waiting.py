@@ -1,0 +1,63 @@
+"""How ranks wait: inside MPI, or testing and yielding the core (hpcdp.comm.waiting)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hpcdp.comm import waiting
+from hpcdp.comm.waiting import decide_wait, mpi_yields_when_idle
+from launch import ROOT, mpi_env, run_mpi
+
+
+@pytest.mark.parametrize("setting", ["spin", "yield"])
+def test_forced_setting_wins(monkeypatch, setting):
+    monkeypatch.setenv("HPCDP_WAIT", setting)
+    monkeypatch.setattr(waiting, "mpi_yields_when_idle", lambda lib: pytest.fail("no probe when forced"))
+    assert decide_wait(8, 2, "libmpi.so") == (setting == "yield", f"forced by HPCDP_WAIT={setting}")
+
+
+def test_bad_setting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HPCDP_WAIT", "sometimes")
+    with pytest.raises(ValueError, match="HPCDP_WAIT must be spin, yield or auto, got 'sometimes'"):
+        decide_wait(2, 2, None)
+
+
+def test_auto_waits_inside_mpi_with_a_core_per_rank(monkeypatch):
+    monkeypatch.delenv("HPCDP_WAIT", raising=False)
+    monkeypatch.setattr(waiting, "mpi_yields_when_idle", lambda lib: pytest.fail("no probe needed"))
+    assert decide_wait(4, 4, None) == (False, "4 ranks on this node, 4 cores: wait inside MPI")
+
+
+@pytest.mark.parametrize("yields", [True, False, None])
+def test_auto_oversubscribed_yields_unless_the_mpi_does(monkeypatch, yields):
+    monkeypatch.delenv("HPCDP_WAIT", raising=False)
+    monkeypatch.setattr(waiting, "mpi_yields_when_idle", lambda lib: yields)
+    yield_cpu, how = decide_wait(4, 2, "libmpi.so")
+    assert yield_cpu is (not yields)
+    assert how.startswith("4 ranks on this node, 2 cores (oversubscribed)")
+    assert ("mpi_yield_when_idle=1" in how) is bool(yields)
+
+
+def test_probe_of_the_loaded_mpi():
+    """MPICH has no mpi_yield_when_idle (None); Open MPI's is read through MPI_T and is
+    off for a single process that is not oversubscribed."""
+    code = ("import hpcdp, json; hpcdp.init(); from hpcdp.comm.cuda import loaded_libmpi;"
+            "from hpcdp.comm.waiting import mpi_yields_when_idle; from mpi4py import MPI;"
+            "print(json.dumps([MPI.get_vendor()[0], mpi_yields_when_idle(loaded_libmpi())]))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=mpi_env(), cwd=str(ROOT))
+    assert p.returncode == 0, p.stderr
+    vendor, value = json.loads(p.stdout)
+    assert value is (False if vendor == "Open MPI" else None), (vendor, value)
+    assert mpi_yields_when_idle(None) is None
+
+
+@pytest.mark.timeout(120)
+def test_info_reports_the_wait_and_why():
+    p = run_mpi(2, ["-m", "hpcdp.info"], timeout=90, env={"HPCDP_WAIT": "yield"})
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["wait"] == "yield" and info["wait_how"] == "forced by HPCDP_WAIT=yield"
+    p = run_mpi(1, ["-m", "hpcdp.info"], timeout=90, env={"HPCDP_WAIT": "never"})
+    assert p.returncode != 0 and "HPCDP_WAIT must be spin, yield or auto" in p.stderr
