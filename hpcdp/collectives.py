@@ -269,9 +269,10 @@ def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
 def _may_wait_in_mpi(rt, blocking: bool) -> bool:
     """Whether an operation may wait inside blocking MPI calls (the argument check's
     ``MPI_Allreduce``, the small ring's ``MPI_Sendrecv`` steps): only for the blocking
-    API calls, whose caller waits anyway, and not where ranks outnumber cores
-    (``HPCDP_WAIT=yield``), where a rank waiting inside MPI keeps the core from the
-    peer it waits for: there requests are tested, yielding the core between tests."""
+    API calls, whose caller waits anyway, and not where the engine waits by yielding
+    (``HPCDP_WAIT=yield``, or ``auto`` with more ranks than cores and an MPI that spins,
+    see :mod:`hpcdp.comm.waiting`): a rank waiting inside such an MPI keeps the core from
+    the peer it waits for, so there requests are tested, yielding between tests."""
     return blocking and not rt.engine.yield_cpu
 
 
