@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+from array import array
 from os import sched_yield
 
 import numpy as np
@@ -44,8 +45,8 @@ def _signature(kind: int, buf, op: int, extra: int, where):
     if where is not None:
         where["phase"] = "argument check (native allreduce over all ranks)"
     n, code = buf.n, buf.dtype.code
-    return (kind, n, code, op, extra), np.array((kind, n, code, op, extra, -kind, -n, -code, -op,
-                                                 -extra), dtype=np.int64)
+    return (kind, n, code, op, extra), array("q", (kind, n, code, op, extra, -kind, -n, -code, -op,
+                                                   -extra))
 
 
 def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int = 0, where=None,
@@ -279,7 +280,7 @@ def _may_wait_in_mpi(rt, blocking: bool) -> bool:
 def _prepare_allreduce(rt, x, op, name, check, blocking, stats, compression, state, on_step):
     buf = as_buffer(x, name or "tensor")
     code = _parse_op(op, buf)
-    comp = _compression(compression, buf)
+    comp = None if compression is None else _compression(compression, buf)
     where = {}
     tag = rt.engine.next_tag()
     if blocking and comp is None and buf.kind == "host" and _fits_one_message(buf, rt.size):

@@ -231,7 +231,7 @@ def as_buffer(x, name: str = "tensor") -> Buffer:
                              f"strides {x.strides}) is not; pass np.ascontiguousarray(x) and copy back")
         if not flags.writeable:
             raise ValueError(f"hpcdp reduces in place but {name!r} is read-only")
-        flat = x.reshape(-1)
+        flat = x if x.ndim == 1 else x.reshape(-1)
         return Buffer(flat, flat.size, host[0], host[1], name)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
