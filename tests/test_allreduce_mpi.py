@@ -184,3 +184,20 @@ def test_stats_count_ring_bytes(world):
     assert stats.get("bytes_recv", 0) == recv
     # over the whole ring: 2(N-1)/N of the buffer per rank on average
     assert world.allreduce(sent) == (2 * (size - 1) * 4001 * 4 if size > 1 else 0)
+
+
+@pytest.mark.parametrize("n", [1, 1001, 300_001])
+def test_blocking_and_async_calls_of_one_collective_match(world, n):
+    """Ranks may reach the same collective through different calls (a blocking
+    allreduce on some, allreduce_async().wait() on others) or wait differently
+    (HPCDP_WAIT per node): the argument check is the same nonblocking collective
+    everywhere, since MPI never matches a blocking collective with a nonblocking one."""
+    rank, size = world.Get_rank(), world.Get_size()
+    x = _inputs(rank, n, np.float32)
+    everyone = world.allgather(x.copy())
+    if rank % 2:
+        hpcdp.allreduce_async(x).wait()
+    else:
+        hpcdp.allreduce(x)
+    _assert_identical_everywhere(world, x)
+    assert x.tobytes() == simulate(everyone)[rank].tobytes()

@@ -9,7 +9,8 @@ pytestmark = pytest.mark.mpi
 
 @pytest.mark.parametrize("call", ["blocking", "async"])
 def test_mismatched_lengths_name_the_ranks(world, call):
-    """Blocking calls check with MPI_Allreduce, nonblocking ones with MPI_Iallreduce."""
+    """Blocking and nonblocking calls both check with MPI_Iallreduce (and the mismatch
+    raises in either)."""
     rank, size = world.Get_rank(), world.Get_size()
     if size < 2:
         pytest.skip("needs two ranks to disagree")

@@ -335,8 +335,9 @@ def ring_allreduce_blocking(comm, MPI, n: int, codec, tmp, tag: int, itemsize: i
     schedule, the messages and the additions of :func:`ring_allreduce` with one
     segment per chunk, so the same bits, without the requests, the generator's round
     trips through the engine and the per-message bookkeeping (the small-buffer case
-    is bounded by that overhead). ``tmp`` holds at least the largest chunk; a step
-    whose chunk is empty sends an empty message, as both neighbours agree on it.
+    is bounded by that overhead). ``tmp`` holds at least the largest chunk. An empty
+    chunk is neither sent nor received, as in :func:`ring_allreduce`, so that ranks
+    running the two functions for the same collective exchange the same messages.
 
     ``yield_cpu`` (ranks outnumber cores): a step is an ``Irecv``/``Isend`` pair
     tested with ``sched_yield`` between tests instead of a ``Sendrecv`` spinning in
@@ -352,12 +353,24 @@ def ring_allreduce_blocking(comm, MPI, n: int, codec, tmp, tag: int, itemsize: i
     if yield_cpu:
         Irecv, Isend, Testall = comm.Irecv, comm.Isend, MPI.Request.Testall
 
-        def Sendrecv(send, dest, sendtag, recv, source, recvtag):
-            reqs = [Irecv(recv, source, recvtag), Isend(send, dest, sendtag)]
+        def exchange(send, recv):
+            reqs = []
+            if len(recv):
+                reqs.append(Irecv([recv, BYTE], left, tag))
+            if len(send):
+                reqs.append(Isend([send, BYTE], right, tag))
             while not Testall(reqs):
                 sched_yield()
     else:
-        Sendrecv = comm.Sendrecv
+        Sendrecv, Send, Recv = comm.Sendrecv, comm.Send, comm.Recv
+
+        def exchange(send, recv):
+            if len(send) and len(recv):
+                Sendrecv([send, BYTE], right, tag, [recv, BYTE], left, tag)
+            elif len(send):
+                Send([send, BYTE], right, tag)
+            elif len(recv):
+                Recv([recv, BYTE], left, tag)
     if where is None:
         where = {}
     where["peer"], where["phase"] = left, "scatter-reduce"
@@ -366,12 +379,12 @@ def ring_allreduce_blocking(comm, MPI, n: int, codec, tmp, tag: int, itemsize: i
     for i, (lo, hi) in enumerate(plan.rs_chunks):
         where["step"] = i
         slot = tmp[:hi - lo]
-        Sendrecv([out, BYTE], right, tag, [slot, BYTE], left, tag)
+        exchange(out, slot)
         out = codec.reduce(lo, hi, slot, i == last)
     where["phase"] = "allgather"
     for j, (lo, hi) in enumerate(plan.ag_chunks):
         where["step"] = j
-        Sendrecv([out, BYTE], right, tag, [codec.ag_target(lo, hi), BYTE], left, tag)
+        exchange(out, codec.ag_target(lo, hi))
         out = codec.ag_done(lo, hi)
     if stats is not None:
         stats["bytes_sent"] = stats.get("bytes_sent", 0) + plan.sent * itemsize
