@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import os
 from array import array
-from os import sched_yield
 
 import numpy as np
 
@@ -22,6 +21,7 @@ from .comm.engine import CommError, Handle, rank_ranges
 from .comm.ring import (CompressedCodec, DeviceCompressedCodec, PlainCodec, RingConfig,
                         StagedCompressedCodec, ring_allreduce, ring_allreduce_blocking)
 from .comm.twophase import HOST_FRAMES, DeviceFrames, StagedFrames, twophase_allreduce
+from .comm.waiting import complete
 
 __all__ = ["allreduce", "allreduce_async", "synchronize", "broadcast", "broadcast_async",
            "barrier", "MismatchError"]
@@ -67,12 +67,7 @@ def _signature_check_now(rt, what: str, kind: int, buf, op: int, extra: int, whe
     ``MPI_Wait``, or with ``HPCDP_WAIT`` at yield tests with ``sched_yield`` between."""
     comm, MPI = rt.comm, rt.MPI
     mine, sig = _signature(kind, buf, op, extra, where)
-    req = comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX)
-    if rt.engine.yield_cpu:
-        while not req.Test():
-            sched_yield()
-    else:
-        req.Wait()
+    complete(MPI, comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX), rt.engine.yield_cpu)
     _verify_signature(comm, what, buf, mine, sig)
 
 
@@ -161,30 +156,32 @@ def _small_allreduce(rt, buf, op: int, check: bool, tag: int, stats, where) -> N
     The engine calls it directly when idle; this is the case bounded by per-call cost."""
     if check:
         _signature_check_now(rt, "allreduce", _KINDS["allreduce"], buf, op, 0, where)
-    codec = PlainCodec(buf, op == _OPS["avg"], rt.size)
-    ring_allreduce_blocking(rt.comm, rt.MPI, buf.n, codec, rt.tmp(buf, -(-buf.n // rt.size)), tag,
-                            buf.dtype.itemsize, stats, where, rt.engine.yield_cpu)
+    _one_message_ring(rt, buf, op == _OPS["avg"], tag, stats, where)
 
 
 def _fits_one_message(buf, size: int) -> bool:
     return -(-buf.n // size) * buf.dtype.itemsize <= _cfg.segment_bytes
 
 
+def _one_message_ring(rt, buf, average: bool, tag: int, stats, where) -> None:
+    """The plain ring of a host buffer whose chunks each fit one message, for a caller that
+    waits anyway: one exchange per step (:func:`ring_allreduce_blocking`)."""
+    ring_allreduce_blocking(rt.comm, rt.MPI, buf.n, PlainCodec(buf, average, rt.size),
+                            rt.tmp(buf, -(-buf.n // rt.size)), tag, buf.dtype.itemsize, stats,
+                            where, rt.engine.yield_cpu)
+
+
 def _plain_allreduce(rt, buf, average, blocking, tag, stats, where, on_step):
     """Generator: the uncompressed ring over a host buffer, or a device buffer MPI reads."""
-    comm, MPI, size = rt.comm, rt.MPI, rt.size
-    itemsize = buf.dtype.itemsize
-    codec = PlainCodec(buf, average, size)
-    width = -(-buf.n // size)  # the largest chunk
-    if blocking and on_step is None and buf.kind == "host" and _fits_one_message(buf, size):
-        # (a device buffer staged through host memory) one message per chunk and a caller
-        # that waits anyway: one exchange per step
-        ring_allreduce_blocking(comm, MPI, buf.n, codec, rt.tmp(buf, width), tag, itemsize, stats,
-                                where, rt.engine.yield_cpu)
+    if blocking and on_step is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
+        # (a device buffer staged through host memory; host buffers take _small_allreduce)
+        _one_message_ring(rt, buf, average, tag, stats, where)
         return
+    itemsize = buf.dtype.itemsize
     seg = max(1, _cfg.segment_bytes // itemsize)
-    yield from ring_allreduce(comm, MPI, buf.n, codec, rt.tmp(buf, _cfg.window * seg), tag, _cfg,
-                              itemsize, stats, where, on_step)
+    yield from ring_allreduce(rt.comm, rt.MPI, buf.n, PlainCodec(buf, average, rt.size),
+                              rt.tmp(buf, _cfg.window * seg), tag, _cfg, itemsize, stats, where,
+                              on_step)
 
 
 def _compression(compression, buf):

@@ -27,8 +27,9 @@ import os
 import threading
 import sys
 import time
-from os import sched_yield
 from time import monotonic
+
+from .waiting import complete
 
 __all__ = ["Engine", "Handle", "CommError", "rank_ranges"]
 
@@ -167,22 +168,10 @@ class Engine:
             while True:
                 pending = h._pending
                 if pending is not None:
-                    if isinstance(pending, list):
-                        if block:
-                            if self.yield_cpu:
-                                while not MPI.Request.Testall(pending):
-                                    sched_yield()
-                            else:
-                                MPI.Request.Waitall(pending)
-                        elif not MPI.Request.Testall(pending):
-                            return False
-                    elif block:
-                        if self.yield_cpu:
-                            while not pending.Test():
-                                sched_yield()
-                        else:
-                            pending.Wait()
-                    elif not pending.Test():
+                    if block:
+                        complete(MPI, pending, self.yield_cpu)
+                    elif not (MPI.Request.Testall(pending) if isinstance(pending, list)
+                              else pending.Test()):
                         return False
                 self.last_progress = monotonic()
                 h._pending = next(h._gen)

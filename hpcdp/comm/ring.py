@@ -23,10 +23,10 @@ straight into place and forwards each segment as it arrives.
 from __future__ import annotations
 
 import functools
-from os import sched_yield
 from time import perf_counter_ns
 
 from .schedule import RingSchedule
+from .waiting import complete
 
 __all__ = ["ring_allreduce", "ring_allreduce_blocking", "RingConfig", "PlainCodec", "CompressedCodec",
            "DeviceCompressedCodec", "StagedCompressedCodec"]
@@ -52,7 +52,7 @@ class _Plan:
         sched = RingSchedule(n, size, rank, seg)
         self.left, self.right = sched.left, sched.right
         rs = sched.reduce_scatter()
-        # whole chunks, empty ones included (ring_allreduce_blocking: one message per step)
+        # whole chunks, in step order (ring_allreduce_blocking: at most one message per step)
         self.first_chunk = sched.chunk_range(rs[0][0]) if rs else (0, 0)
         self.rs_chunks = tuple(sched.chunk_range(c) for _, c in rs)
         self.ag_chunks = tuple(sched.chunk_range(c) for _, c in sched.allgather())
@@ -331,7 +331,8 @@ def ring_allreduce_blocking(comm, MPI, n: int, codec, tmp, tag: int, itemsize: i
     """The same ring for a blocking call whose chunks each fit in one message.
 
     Each of the ``2 (size - 1)`` steps is one ``MPI_Sendrecv`` (send to the right,
-    receive from the left) followed by the codec's reduction or forwarding: the
+    receive from the left; ``MPI_Send`` or ``MPI_Recv`` where one side's chunk is
+    empty) followed by the codec's reduction or forwarding: the
     schedule, the messages and the additions of :func:`ring_allreduce` with one
     segment per chunk, so the same bits, without the requests, the generator's round
     trips through the engine and the per-message bookkeeping (the small-buffer case
@@ -351,7 +352,7 @@ def ring_allreduce_blocking(comm, MPI, n: int, codec, tmp, tag: int, itemsize: i
     left, right = plan.left, plan.right
     BYTE = MPI.BYTE
     if yield_cpu:
-        Irecv, Isend, Testall = comm.Irecv, comm.Isend, MPI.Request.Testall
+        Irecv, Isend = comm.Irecv, comm.Isend
 
         def exchange(send, recv):
             reqs = []
@@ -359,8 +360,7 @@ def ring_allreduce_blocking(comm, MPI, n: int, codec, tmp, tag: int, itemsize: i
                 reqs.append(Irecv([recv, BYTE], left, tag))
             if len(send):
                 reqs.append(Isend([send, BYTE], right, tag))
-            while not Testall(reqs):
-                sched_yield()
+            complete(MPI, reqs, True)
     else:
         Sendrecv, Send, Recv = comm.Sendrecv, comm.Send, comm.Recv
 

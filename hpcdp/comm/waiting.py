@@ -15,8 +15,26 @@ from __future__ import annotations
 
 import ctypes
 import os
+from os import sched_yield
 
-__all__ = ["decide_wait", "mpi_yields_when_idle"]
+__all__ = ["decide_wait", "mpi_yields_when_idle", "complete"]
+
+
+def complete(MPI, pending, yield_cpu: bool) -> None:
+    """Complete a request or a list of requests: inside MPI (``MPI_Wait``/``MPI_Waitall``),
+    or with ``yield_cpu`` by testing and calling ``sched_yield`` between tests."""
+    if isinstance(pending, list):
+        if yield_cpu:
+            Testall = MPI.Request.Testall
+            while not Testall(pending):
+                sched_yield()
+        else:
+            MPI.Request.Waitall(pending)
+    elif yield_cpu:
+        while not pending.Test():
+            sched_yield()
+    else:
+        pending.Wait()
 
 
 def mpi_yields_when_idle(libmpi: str | None) -> bool | None:
