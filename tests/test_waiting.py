@@ -29,27 +29,39 @@ def test_auto_waits_inside_mpi_with_a_core_per_rank(monkeypatch):
     assert decide_wait(4, 4, None) == (False, "4 ranks on this node, 4 cores: wait inside MPI")
 
 
-@pytest.mark.parametrize("yields", [True, False, None])
-def test_auto_oversubscribed_yields_unless_the_mpi_does(monkeypatch, yields):
+@pytest.mark.parametrize("found", [("mpi_yield_when_idle", 1), ("MPIR_CVAR_POLLS_BEFORE_YIELD", 1000),
+                                   ("mpi_yield_when_idle", 0), ("MPIR_CVAR_POLLS_BEFORE_YIELD", 0),
+                                   None])
+def test_auto_oversubscribed_yields_unless_the_mpi_does(monkeypatch, found):
     monkeypatch.delenv("HPCDP_WAIT", raising=False)
-    monkeypatch.setattr(waiting, "mpi_yields_when_idle", lambda lib: yields)
+    monkeypatch.setattr(waiting, "mpi_yields_when_idle", lambda lib: found)
     yield_cpu, how = decide_wait(4, 2, "libmpi.so")
-    assert yield_cpu is (not yields)
+    mpi_yields = found is not None and found[1] != 0
+    assert yield_cpu is (not mpi_yields)
     assert how.startswith("4 ranks on this node, 2 cores (oversubscribed)")
-    assert ("mpi_yield_when_idle=1" in how) is bool(yields)
+    if mpi_yields:
+        assert how.endswith(f"the MPI yields when idle ({found[0]}={found[1]}): wait inside MPI")
+    else:
+        assert how.endswith(": test requests and sched_yield between tests")
 
 
 def test_probe_of_the_loaded_mpi():
-    """MPICH has no mpi_yield_when_idle (None); Open MPI's is read through MPI_T and is
-    off for a single process that is not oversubscribed."""
+    """Read through MPI_T: MPICH's MPIR_CVAR_POLLS_BEFORE_YIELD (1000 unless set), Open MPI's
+    mpi_yield_when_idle (off for a single process that is not oversubscribed)."""
     code = ("import hpcdp, json; hpcdp.init(); from hpcdp.comm.cuda import loaded_libmpi;"
             "from hpcdp.comm.waiting import mpi_yields_when_idle; from mpi4py import MPI;"
             "print(json.dumps([MPI.get_vendor()[0], mpi_yields_when_idle(loaded_libmpi())]))")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                       env=mpi_env(), cwd=str(ROOT))
-    assert p.returncode == 0, p.stderr
-    vendor, value = json.loads(p.stdout)
-    assert value is (False if vendor == "Open MPI" else None), (vendor, value)
+    for polls in ("1000", "0", "25"):
+        env = mpi_env()
+        env["MPIR_CVAR_POLLS_BEFORE_YIELD"] = polls
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           env=env, cwd=str(ROOT))
+        assert p.returncode == 0, p.stderr
+        vendor, found = json.loads(p.stdout)
+        if vendor == "Open MPI":
+            assert found == ["mpi_yield_when_idle", 0], found
+        else:
+            assert found == ["MPIR_CVAR_POLLS_BEFORE_YIELD", int(polls)], (vendor, found)
     assert mpi_yields_when_idle(None) is None
 
 

@@ -5,8 +5,10 @@ With no more ranks on a node than cores, waiting inside MPI (``MPI_Wait``,
 rank spinning inside MPI keeps the core from the neighbour it waits for, unless
 the MPI library yields when idle by itself: Open MPI does when it knows the
 node is oversubscribed (its ``mpi_yield_when_idle``, which ``mpirun
---oversubscribe`` turns on), MPICH does not. Where the library does not yield,
-hpcdp tests its requests and calls ``sched_yield`` between tests.
+--oversubscribe`` turns on); MPICH's busy wait calls ``sched_yield`` every
+``MPIR_CVAR_POLLS_BEFORE_YIELD`` polls (1000 by default). Where the library does
+not yield (or says nothing), hpcdp tests its requests and calls ``sched_yield``
+between tests.
 
 ``HPCDP_WAIT=spin|yield|auto`` (default ``auto``): ``auto`` decides as above
 and :func:`hpcdp.info` reports the decision and why (``wait``, ``wait_how``).
@@ -37,10 +39,18 @@ def complete(MPI, pending, yield_cpu: bool) -> None:
         pending.Wait()
 
 
-def mpi_yields_when_idle(libmpi: str | None) -> bool | None:
-    """Open MPI's ``mpi_yield_when_idle``, read through the MPI tool interface (MPI_T)
-    of the loaded library; ``None`` where the library has no such control variable
-    (MPICH) or MPI_T cannot be used."""
+# MPI_T control variables through which a library says that its own busy wait gives the
+# core away, in the order tried; a nonzero value means it does
+_YIELD_CVARS = (
+    "mpi_yield_when_idle",           # Open MPI: on when mpirun knows the node is oversubscribed
+    "MPIR_CVAR_POLLS_BEFORE_YIELD",  # MPICH family: sched_yield every N polls (0: never)
+)
+
+
+def mpi_yields_when_idle(libmpi: str | None) -> tuple[str, int] | None:
+    """``(name, value)`` of the first of Open MPI's ``mpi_yield_when_idle`` and MPICH's
+    ``MPIR_CVAR_POLLS_BEFORE_YIELD`` that the loaded library has, read through the MPI
+    tool interface (MPI_T); ``None`` where it has neither or MPI_T cannot be used."""
     if libmpi is None:
         return None
     try:
@@ -54,19 +64,21 @@ def mpi_yields_when_idle(libmpi: str | None) -> bool | None:
     if init(0, ctypes.byref(provided)) != 0:  # MPI_THREAD_SINGLE: one call, this thread
         return None
     try:
-        index = ctypes.c_int(-1)
-        if get_index(b"mpi_yield_when_idle", ctypes.byref(index)) != 0:
-            return None
-        handle, count = ctypes.c_void_p(), ctypes.c_int()
-        if alloc(index, None, ctypes.byref(handle), ctypes.byref(count)) != 0:
-            return None
-        try:
-            value = ctypes.c_int64(0)  # a bool or an int: either fits, zero-extended
-            if count.value != 1 or read(handle, ctypes.byref(value)) != 0:
+        for name in _YIELD_CVARS:
+            index = ctypes.c_int(-1)
+            if get_index(name.encode(), ctypes.byref(index)) != 0:
+                continue
+            handle, count = ctypes.c_void_p(), ctypes.c_int()
+            if alloc(index, None, ctypes.byref(handle), ctypes.byref(count)) != 0:
                 return None
-            return value.value != 0
-        finally:
-            free(ctypes.byref(handle))
+            try:
+                value = ctypes.c_int64(0)  # a bool or an int: either fits, zero-extended
+                if count.value != 1 or read(handle, ctypes.byref(value)) != 0:
+                    return None
+                return name, ctypes.c_int32(value.value & 0xFFFFFFFF).value
+            finally:
+                free(ctypes.byref(handle))
+        return None
     finally:
         fini()
 
@@ -81,6 +93,7 @@ def decide_wait(local_size: int, cores: int, libmpi: str | None) -> tuple[bool, 
     if local_size <= cores:
         return False, f"{local_size} ranks on this node, {cores} cores: wait inside MPI"
     over = f"{local_size} ranks on this node, {cores} cores (oversubscribed)"
-    if mpi_yields_when_idle(libmpi):
-        return False, f"{over}, and the MPI yields when idle (mpi_yield_when_idle=1): wait inside MPI"
+    found = mpi_yields_when_idle(libmpi)
+    if found is not None and found[1] != 0:
+        return False, f"{over}, and the MPI yields when idle ({found[0]}={found[1]}): wait inside MPI"
     return True, f"{over}: test requests and sched_yield between tests"
