@@ -59,7 +59,8 @@ def _signature_check(comm, MPI, what: str, kind: int, buf, op: int, extra: int =
     """
     mine, sig = _signature(kind, buf, op, extra, where)
     yield comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX)
-    _verify_signature(comm, what, buf, mine, sig)
+    if not _agreed(sig):
+        _raise_mismatch(comm, what, buf, mine)
 
 
 def _signature_check_now(rt, what: str, kind: int, buf, op: int, extra: int, where) -> None:
@@ -67,16 +68,24 @@ def _signature_check_now(rt, what: str, kind: int, buf, op: int, extra: int, whe
     ``MPI_Wait``, or with ``HPCDP_WAIT`` at yield tests with ``sched_yield`` between."""
     comm, MPI = rt.comm, rt.MPI
     mine, sig = _signature(kind, buf, op, extra, where)
-    complete(MPI, comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX), rt.engine.yield_cpu)
-    _verify_signature(comm, what, buf, mine, sig)
+    req = comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX)
+    if rt.engine.yield_cpu:
+        complete(MPI, req, True)
+    else:
+        req.Wait()
+    if not _agreed(sig):
+        _raise_mismatch(comm, what, buf, mine)
 
 
-def _verify_signature(comm, what: str, buf, mine: tuple, sig) -> None:
-    """Raise :class:`MismatchError` on every rank, naming what each passed, unless the
-    reduced ``sig`` says every rank passed ``mine``."""
-    got = sig.tolist()
-    if got[:5] == [-got[5], -got[6], -got[7], -got[8], -got[9]]:
-        return
+def _agreed(sig) -> bool:
+    """Whether the reduced signature says that every rank passed the same arguments."""
+    return sig[0] == -sig[5] and sig[1] == -sig[6] and sig[2] == -sig[7] and sig[3] == -sig[8] \
+        and sig[4] == -sig[9]
+
+
+def _raise_mismatch(comm, what: str, buf, mine: tuple) -> None:
+    """Raise :class:`MismatchError` on every rank (all of them call this), naming what each
+    rank passed."""
     everyone = comm.allgather(list(mine))
     groups: dict[tuple, list[int]] = {}
     for r, f in enumerate(everyone):
@@ -166,9 +175,8 @@ def _fits_one_message(buf, size: int) -> bool:
 def _one_message_ring(rt, buf, average: bool, tag: int, stats, where) -> None:
     """The plain ring of a host buffer whose chunks each fit one message, for a caller that
     waits anyway: one exchange per step (:func:`ring_allreduce_blocking`)."""
-    ring_allreduce_blocking(rt.comm, rt.MPI, buf.n, PlainCodec(buf, average, rt.size),
-                            rt.tmp(buf, -(-buf.n // rt.size)), tag, buf.dtype.itemsize, stats,
-                            where, rt.engine.yield_cpu)
+    ring_allreduce_blocking(rt.comm, rt.MPI, PlainCodec(buf, average, rt.size),
+                            rt.tmp(buf, -(-buf.n // rt.size)), tag, stats, where, rt.engine.yield_cpu)
 
 
 def _plain_allreduce(rt, buf, average, blocking, tag, stats, where, on_step):

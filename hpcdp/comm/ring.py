@@ -326,29 +326,33 @@ def ring_allreduce(comm, MPI, n: int, codec, tmp, tag: int, cfg: RingConfig, ite
         stats["bytes_recv"] = stats.get("bytes_recv", 0) + plan.received * itemsize
 
 
-def ring_allreduce_blocking(comm, MPI, n: int, codec, tmp, tag: int, itemsize: int, stats=None,
-                            where=None, yield_cpu: bool = False) -> None:
-    """The same ring for a blocking call whose chunks each fit in one message.
+def ring_allreduce_blocking(comm, MPI, codec: PlainCodec, tmp, tag: int, stats=None, where=None,
+                            yield_cpu: bool = False) -> None:
+    """The same ring for a blocking call of host memory whose chunks each fit in one message.
 
     Each of the ``2 (size - 1)`` steps is one ``MPI_Sendrecv`` (send to the right,
     receive from the left; ``MPI_Send`` or ``MPI_Recv`` where one side's chunk is
-    empty) followed by the codec's reduction or forwarding: the
-    schedule, the messages and the additions of :func:`ring_allreduce` with one
-    segment per chunk, so the same bits, without the requests, the generator's round
-    trips through the engine and the per-message bookkeeping (the small-buffer case
-    is bounded by that overhead). ``tmp`` holds at least the largest chunk. An empty
-    chunk is neither sent nor received, as in :func:`ring_allreduce`, so that ranks
-    running the two functions for the same collective exchange the same messages.
+    empty) followed by the addition into place: the schedule, the messages and the
+    additions of :func:`ring_allreduce` with one segment per chunk, so the same bits,
+    without the requests, the generator's round trips through the engine and the
+    per-message bookkeeping. The loop calls no codec methods: where ranks outnumber
+    cores every Python call per step is paid several times over (docs/performance.md).
+    ``codec`` (a :class:`PlainCodec` over host memory, which has scaled fp16/bf16 data
+    already) gives the data, the ops and whether the owner divides at the end; ``tmp``
+    holds at least the largest chunk. An empty chunk is neither sent nor received, as
+    in :func:`ring_allreduce`, so that ranks running the two functions for the same
+    collective exchange the same messages.
 
-    ``yield_cpu`` (ranks outnumber cores): a step is an ``Irecv``/``Isend`` pair
-    tested with ``sched_yield`` between tests instead of a ``Sendrecv`` spinning in
-    MPI, so that a waiting rank gives its core to the neighbour it waits for.
+    ``yield_cpu`` (ranks outnumber cores and the MPI does not yield by itself): a step
+    is an ``Irecv``/``Isend`` pair tested with ``sched_yield`` between tests instead of
+    a ``Sendrecv`` waiting inside MPI.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
+    data, n = codec.data, len(codec.data)
     if size == 1 or n == 0:
         codec.single()
         return
-    plan = _plan(n, size, rank, max(n, 1))
+    plan = _plan(n, size, rank, n)
     left, right = plan.left, plan.right
     BYTE = MPI.BYTE
     if yield_cpu:
@@ -374,18 +378,23 @@ def ring_allreduce_blocking(comm, MPI, n: int, codec, tmp, tag: int, itemsize: i
     if where is None:
         where = {}
     where["peer"], where["phase"] = left, "scatter-reduce"
-    last = size - 2
-    out = codec.first(*plan.first_chunk)
+    add = codec.ops.add
+    lo, hi = plan.first_chunk
+    out = data[lo:hi]
     for i, (lo, hi) in enumerate(plan.rs_chunks):
         where["step"] = i
         slot = tmp[:hi - lo]
         exchange(out, slot)
-        out = codec.reduce(lo, hi, slot, i == last)
+        out = data[lo:hi]
+        add(out, slot)
+    if codec.scale_final:  # the chunk this rank owns, fully reduced
+        codec.ops.scale(out, size)
     where["phase"] = "allgather"
     for j, (lo, hi) in enumerate(plan.ag_chunks):
         where["step"] = j
-        exchange(out, codec.ag_target(lo, hi))
-        out = codec.ag_done(lo, hi)
+        into = data[lo:hi]
+        exchange(out, into)
+        out = into
     if stats is not None:
-        stats["bytes_sent"] = stats.get("bytes_sent", 0) + plan.sent * itemsize
-        stats["bytes_recv"] = stats.get("bytes_recv", 0) + plan.received * itemsize
+        stats["bytes_sent"] = stats.get("bytes_sent", 0) + plan.sent * data.itemsize
+        stats["bytes_recv"] = stats.get("bytes_recv", 0) + plan.received * data.itemsize
