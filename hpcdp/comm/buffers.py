@@ -16,6 +16,7 @@ CUDA ones this way, to run the compressed device paths with torch ops on CPU).
 """
 from __future__ import annotations
 
+import operator
 import sys
 from dataclasses import dataclass
 
@@ -63,6 +64,12 @@ class ArrayOps:
 
 class HostOps(ArrayOps):
     kind = "host"
+
+    def __init__(self, dtype: DType):
+        super().__init__(dtype)
+        if dtype.name != "bfloat16":
+            # numpy's own in-place add, no Python frame: what host_add runs for this dtype
+            self.add = operator.iadd
 
     def alloc(self, n):
         return np.empty(n, dtype=self.dtype.storage)

@@ -46,7 +46,7 @@ class _Plan:
     """Everything index-related for one (n, size, rank, segment): computed once."""
 
     __slots__ = ("left", "right", "incoming", "first_sends", "ag_recv", "sent", "received",
-                 "first_chunk", "rs_chunks", "ag_chunks")
+                 "first_chunk", "rs_chunks", "ag_chunks", "no_empty_chunk")
 
     def __init__(self, n, size, rank, seg):
         sched = RingSchedule(n, size, rank, seg)
@@ -56,6 +56,8 @@ class _Plan:
         self.first_chunk = sched.chunk_range(rs[0][0]) if rs else (0, 0)
         self.rs_chunks = tuple(sched.chunk_range(c) for _, c in rs)
         self.ag_chunks = tuple(sched.chunk_range(c) for _, c in sched.allgather())
+        # the first chunk sent and the chunks received are all the chunks
+        self.no_empty_chunk = all(hi > lo for lo, hi in (self.first_chunk,) + self.rs_chunks)
         # scatter-reduce messages received, in order: (step, lo, hi)
         self.incoming = tuple((i, lo, hi) for i, (_, c) in enumerate(rs)
                               for lo, hi in sched.chunk_segments(c))
@@ -355,6 +357,9 @@ def ring_allreduce_blocking(comm, MPI, codec: PlainCodec, tmp, tag: int, stats=N
     plan = _plan(n, size, rank, n)
     left, right = plan.left, plan.right
     BYTE = MPI.BYTE
+    Sendrecv = comm.Sendrecv
+    # the common case, a Sendrecv per step, is called straight from the loops below
+    direct = not yield_cpu and plan.no_empty_chunk
     if yield_cpu:
         Irecv, Isend = comm.Irecv, comm.Isend
 
@@ -366,7 +371,7 @@ def ring_allreduce_blocking(comm, MPI, codec: PlainCodec, tmp, tag: int, stats=N
                 reqs.append(Isend([send, BYTE], right, tag))
             complete(MPI, reqs, True)
     else:
-        Sendrecv, Send, Recv = comm.Sendrecv, comm.Send, comm.Recv
+        Send, Recv = comm.Send, comm.Recv
 
         def exchange(send, recv):
             if len(send) and len(recv):
@@ -384,7 +389,10 @@ def ring_allreduce_blocking(comm, MPI, codec: PlainCodec, tmp, tag: int, stats=N
     for i, (lo, hi) in enumerate(plan.rs_chunks):
         where["step"] = i
         slot = tmp[:hi - lo]
-        exchange(out, slot)
+        if direct:
+            Sendrecv([out, BYTE], right, tag, [slot, BYTE], left, tag)
+        else:
+            exchange(out, slot)
         out = data[lo:hi]
         add(out, slot)
     if codec.scale_final:  # the chunk this rank owns, fully reduced
@@ -393,7 +401,10 @@ def ring_allreduce_blocking(comm, MPI, codec: PlainCodec, tmp, tag: int, stats=N
     for j, (lo, hi) in enumerate(plan.ag_chunks):
         where["step"] = j
         into = data[lo:hi]
-        exchange(out, into)
+        if direct:
+            Sendrecv([out, BYTE], right, tag, [into, BYTE], left, tag)
+        else:
+            exchange(out, into)
         out = into
     if stats is not None:
         stats["bytes_sent"] = stats.get("bytes_sent", 0) + plan.sent * data.itemsize
