@@ -47,17 +47,23 @@ def test_auto_oversubscribed_yields_unless_the_mpi_does(monkeypatch, found):
 
 def test_probe_of_the_loaded_mpi():
     """Read through MPI_T: MPICH's MPIR_CVAR_POLLS_BEFORE_YIELD (1000 unless set), Open MPI's
-    mpi_yield_when_idle (off for a single process that is not oversubscribed)."""
+    mpi_yield_when_idle (off for a single process that is not oversubscribed); MPI's thread
+    level is the same afterwards."""
     code = ("import hpcdp, json; hpcdp.init(); from hpcdp.comm.cuda import loaded_libmpi;"
             "from hpcdp.comm.waiting import mpi_yields_when_idle; from mpi4py import MPI;"
-            "print(json.dumps([MPI.get_vendor()[0], mpi_yields_when_idle(loaded_libmpi())]))")
+            "found = mpi_yields_when_idle(loaded_libmpi());"
+            "print(json.dumps([MPI.get_vendor()[0], found, MPI.Query_thread() == MPI.THREAD_MULTIPLE,"
+            " hpcdp.info()['thread_level']]))")
     for polls in ("1000", "0", "25"):
         env = mpi_env()
         env["MPIR_CVAR_POLLS_BEFORE_YIELD"] = polls
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                            env=env, cwd=str(ROOT))
         assert p.returncode == 0, p.stderr
-        vendor, found = json.loads(p.stdout)
+        vendor, found, still_multiple, reported = json.loads(p.stdout)
+        # reading the control variables leaves MPI's thread level alone (Open MPI 5.0.x
+        # lowered it, locking off, when the MPI_T session asked for MPI_THREAD_SINGLE)
+        assert still_multiple and reported == "multiple", (vendor, reported)
         if vendor == "Open MPI":
             assert found == ["mpi_yield_when_idle", 0], found
         else:

@@ -60,8 +60,14 @@ def mpi_yields_when_idle(libmpi: str | None) -> tuple[str, int] | None:
         free, fini = lib.MPI_T_cvar_handle_free, lib.MPI_T_finalize
     except (OSError, AttributeError):
         return None
+    # The MPI_T session asks for the level MPI already runs at: Open MPI (5.0.x) writes the
+    # level given here over the process's, and MPI_THREAD_SINGLE there turns its locking
+    # off under hpcdp's progress thread (MPI_Query_thread then says SINGLE too).
+    level, flag = ctypes.c_int(0), ctypes.c_int(0)
+    if lib.MPI_Initialized(ctypes.byref(flag)) == 0 and flag.value:
+        lib.MPI_Query_thread(ctypes.byref(level))
     provided = ctypes.c_int()
-    if init(0, ctypes.byref(provided)) != 0:  # MPI_THREAD_SINGLE: one call, this thread
+    if init(level, ctypes.byref(provided)) != 0:
         return None
     try:
         for name in _YIELD_CVARS:
