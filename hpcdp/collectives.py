@@ -68,11 +68,7 @@ def _signature_check_now(rt, what: str, kind: int, buf, op: int, extra: int, whe
     ``MPI_Wait``, or with ``HPCDP_WAIT`` at yield tests with ``sched_yield`` between."""
     comm, MPI = rt.comm, rt.MPI
     mine, sig = _signature(kind, buf, op, extra, where)
-    req = comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX)
-    if rt.engine.yield_cpu:
-        complete(MPI, req, True)
-    else:
-        req.Wait()
+    complete(MPI, comm.Iallreduce(MPI.IN_PLACE, sig, MPI.MAX), rt.engine.yield_cpu)
     if not _agreed(sig):
         _raise_mismatch(comm, what, buf, mine)
 

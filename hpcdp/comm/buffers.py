@@ -16,13 +16,12 @@ CUDA ones this way, to run the compressed device paths with torch ops on CPU).
 """
 from __future__ import annotations
 
-import operator
 import sys
 from dataclasses import dataclass
 
 import numpy as np
 
-from .dtypes import DType, dtype_from_name, host_add, host_scale
+from .dtypes import DType, dtype_from_name, host_adder, host_scale
 
 __all__ = ["Buffer", "ArrayOps", "HostOps", "host_ops", "as_buffer", "register_device_ops"]
 
@@ -67,15 +66,10 @@ class HostOps(ArrayOps):
 
     def __init__(self, dtype: DType):
         super().__init__(dtype)
-        if dtype.name != "bfloat16":
-            # numpy's own in-place add, no Python frame: what host_add runs for this dtype
-            self.add = operator.iadd
+        self.add = host_adder(dtype)  # the dtype's add itself, no method frame around it
 
     def alloc(self, n):
         return np.empty(n, dtype=self.dtype.storage)
-
-    def add(self, dst, src):
-        host_add(self.dtype, dst, src)
 
     def scale(self, dst, divisor):
         host_scale(self.dtype, dst, divisor)

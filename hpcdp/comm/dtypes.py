@@ -7,11 +7,12 @@ reduced by a numba kernel (fp32 arithmetic, round-to-nearest-even, NaN kept).
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DType", "DTYPES", "dtype_from_name", "host_add", "host_scale"]
+__all__ = ["DType", "DTYPES", "dtype_from_name", "host_adder", "host_scale"]
 
 
 @dataclass(frozen=True)
@@ -88,12 +89,15 @@ def _bf16():
     return _bf16_kernels
 
 
-def host_add(dtype: DType, dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst += src`` elementwise, in place, for host views of ``dtype``."""
-    if dtype.name == "bfloat16":
-        _bf16()[0](dst, src)
-    else:
-        np.add(dst, src, out=dst)
+def host_adder(dtype: DType):
+    """The function ``add(dst, src)`` doing ``dst += src`` elementwise, in place, for host
+    views of ``dtype``: numpy's own in-place add (no Python frame on the ring's hot path),
+    or for bfloat16 the numba kernel (compiled on first use)."""
+    return _bf16_add if dtype.name == "bfloat16" else operator.iadd
+
+
+def _bf16_add(dst: np.ndarray, src: np.ndarray) -> None:
+    _bf16()[0](dst, src)
 
 
 def host_scale(dtype: DType, dst: np.ndarray, divisor: int) -> None:
