@@ -1,26 +1,39 @@
 """hpcdp: MPI-native data-parallel training for PyTorch.
 
-The public surface is re-exported here; implementation lives in private
-modules (``_runtime``) and the subpackages ``comm`` (transport: ring schedule,
-progress engine, buffers and CUDA staging).
+The public surface is re-exported here. ``import hpcdp`` loads neither torch
+nor MPI: the torch-facing names (``DistributedDataParallel`` and friends) are
+imported on first use, and MPI is initialised by :func:`hpcdp.init`.
+Implementation lives in private modules (``_runtime``) and the subpackages
+``comm`` (transport), ``compress`` (codecs), ``torch`` (model glue) and
+``trace`` (HDF5 timing logs).
 """
-__version__ = "0.1.0"
+from ._runtime import finalize, info, init, is_initialized, local_rank, local_size, rank, size
+from ._version import __version__
+from .collectives import (allreduce, allreduce_async, barrier, broadcast, broadcast_async,
+                          synchronize)
+from .comm.engine import Handle
+from .errors import (CheckpointError, CommError, Error, MismatchError, ModelMismatchError,
+                     NotInitializedError, ReplicaMismatchError, TraceError,
+                     UnusedParametersError)
+from .objects import allgather_object, broadcast_object, gather_object, scatter_object
 
-from ._runtime import (NotInitializedError, finalize, info, init, is_initialized, local_rank,
-                       local_size, rank, size)
-from .collectives import (MismatchError, allreduce, allreduce_async, barrier, broadcast,
-                          broadcast_async, synchronize)
-from .comm.engine import CommError, Handle
-from .torch import (DistributedDataParallel, DistributedOptimizer, ModelMismatchError,
-                    ReplicaMismatchError, UnusedParametersError, broadcast_optimizer_state,
-                    broadcast_parameters, check_replicas)
+_TORCH_NAMES = ("DistributedDataParallel", "DistributedOptimizer", "broadcast_parameters",
+                "broadcast_optimizer_state", "check_replicas")
 
 __all__ = [
     "__version__",
     "init", "is_initialized", "finalize", "rank", "size", "local_rank", "local_size", "info",
     "allreduce", "allreduce_async", "synchronize", "broadcast", "broadcast_async", "barrier",
-    "Handle", "CommError", "MismatchError", "NotInitializedError",
-    "DistributedDataParallel", "DistributedOptimizer", "broadcast_parameters",
-    "broadcast_optimizer_state", "check_replicas", "ModelMismatchError", "UnusedParametersError",
-    "ReplicaMismatchError",
+    "broadcast_object", "gather_object", "scatter_object", "allgather_object",
+    "Handle", "Error", "CommError", "MismatchError", "NotInitializedError", "CheckpointError",
+    "ModelMismatchError", "UnusedParametersError", "ReplicaMismatchError", "TraceError",
+    *_TORCH_NAMES,
 ]
+
+
+def __getattr__(name):
+    """The torch-facing names, imported on first use (``import hpcdp`` stays cheap)."""
+    if name in _TORCH_NAMES:
+        from . import torch as _torch_glue
+        return getattr(_torch_glue, name)
+    raise AttributeError(f"module 'hpcdp' has no attribute {name!r}")

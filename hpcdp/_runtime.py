@@ -17,13 +17,10 @@ import time
 import traceback
 
 from .comm.engine import Engine
+from .errors import NotInitializedError
 
 __all__ = ["init", "is_initialized", "rank", "size", "local_rank", "local_size", "info",
            "finalize", "runtime", "NotInitializedError"]
-
-
-class NotInitializedError(RuntimeError):
-    pass
 
 
 class _Runtime:
@@ -69,10 +66,13 @@ class _Runtime:
         self.yield_cpu, self.wait_how = decide_wait(self.local_size, os.cpu_count() or 1,
                                                     loaded_libmpi())
         self.engine = Engine(self.comm, MPI, mode, self.yield_cpu)
+        # small native exchanges outside the engine (trace clock alignment) never match ours
+        self.control = self.comm.Dup()
+        from .compress.state import StateStore
+        self.codec_states = StateStore(self.size, self.rank)
         self._tmp = {}
         self._staging = {}
         self._scratch = {}
-        self._compression_states = {}
 
     # reusable temporaries, one per (kind, dtype): operations never run concurrently
     def tmp(self, buf, nelem):
@@ -92,15 +92,6 @@ class _Runtime:
             t = np.empty(max(n, 1), dtype=dtype)
             self._scratch[key] = t
         return t[:n]
-
-    def compression_state(self, comp, buf):
-        """The compressor state kept for buffers named ``buf.name`` of this length."""
-        key = (comp.name, buf.name, buf.n)
-        st = self._compression_states.get(key)
-        if st is None:
-            st = comp.new_state(buf.n, self.size, self.rank, name=buf.name)
-            self._compression_states[key] = st
-        return st
 
     def staging(self, buf):
         key = buf.dtype.name
@@ -177,7 +168,7 @@ def info() -> dict:
     MPI = rt.MPI
     levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
               MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
-    from . import __version__
+    from ._version import __version__
     import mpi4py
     return {
         "hpcdp_version": __version__,

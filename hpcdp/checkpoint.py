@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from ._runtime import runtime
+from .errors import CheckpointError
 
 __all__ = ["save", "load", "CheckpointError", "FORMAT", "FORMAT_VERSION"]
 
@@ -42,10 +43,6 @@ FORMAT_VERSION = 1
 
 # status codes rank 0 broadcasts after writing / before loading
 _OK, _MISSING, _FAILED = 0, 1, 2
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; raised on every rank alike."""
 
 
 # ----------------------------------------------------------------------------- per-rank state

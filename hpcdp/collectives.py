@@ -17,7 +17,8 @@ import numpy as np
 from ._runtime import runtime
 from .comm.buffers import TorchCudaOps, as_buffer, host_ops
 from .comm.dtypes import dtype_from_code
-from .comm.engine import CommError, Handle, rank_ranges
+from .comm.engine import Handle, rank_ranges
+from .errors import MismatchError
 from .comm.ring import (CompressedCodec, DeviceCompressedCodec, PlainCodec, RingConfig,
                         StagedCompressedCodec, ring_allreduce, ring_allreduce_blocking)
 from .comm.twophase import HOST_FRAMES, DeviceFrames, StagedFrames, twophase_allreduce
@@ -32,10 +33,6 @@ _KINDS = {"allreduce": 1, "broadcast": 2}
 
 _cfg = RingConfig(int(os.environ.get("HPCDP_SEGMENT_BYTES", 1 << 20)),
                   int(os.environ.get("HPCDP_WINDOW", 4)))
-
-
-class MismatchError(CommError):
-    """Ranks passed different lengths, dtypes or ops to the same collective."""
 
 
 def _signature(kind: int, buf, op: int, extra: int, where):
@@ -112,7 +109,7 @@ def _allreduce_gen(rt, buf, op: int, check: bool, blocking: bool, tag: int, stat
     device = buf.kind == "device"
     if comp is not None and comp.collective == "two_phase":
         if state is None:
-            state = rt.compression_state(comp, buf)
+            state = rt.codec_states.get(comp, buf.name, buf.n)
         space = HOST_FRAMES
         if device:
             space = DeviceFrames(buf.ops) if rt.cuda_aware else StagedFrames(buf.ops)

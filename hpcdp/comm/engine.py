@@ -29,13 +29,10 @@ import sys
 import time
 from time import monotonic
 
+from ..errors import CommError
 from .waiting import complete
 
 __all__ = ["Engine", "Handle", "CommError", "rank_ranges"]
-
-
-class CommError(RuntimeError):
-    """A collective failed; the message names the rank and the operation."""
 
 
 class Handle:

@@ -1,16 +1,17 @@
 """Gradient compression for hpcdp's allreduce: fp16/bf16 and 1-bit with error feedback.
 
-No MPI here: the communication engine (``hpcdp.comm``) moves the payloads and
-calls these compressors at fixed points of its collective (see
-``docs/compression.md``). The numba kernels compile on first use, not at import.
+No MPI here: the transport (``hpcdp.comm``) moves the payloads and calls these
+compressors at fixed points of its collective (see ``docs/compression.md``).
+The numba kernels compile on first use, not at import.
 """
 
 from .base import BucketState, Compressor, RingCompressor
 from .halfprec import HalfPrecision, NoCompression, has_nonfinite
 from .memory import OneBitState, chunk_numel, owned_range
 from .onebit import OneBit
-from .registry import COMPRESSOR_NAMES, get_compressor
+from .registry import COMPRESSOR_NAMES, code, code_name, get_compressor, resolve
 from .simulate import ring_segments, simulate_half_ring_allreduce, simulate_onebit_allreduce
+from .state import StateStore
 
 __all__ = [
     "COMPRESSOR_NAMES",
@@ -21,11 +22,12 @@ __all__ = [
     "OneBit",
     "OneBitState",
     "RingCompressor",
+    "StateStore",
     "chunk_numel",
+    "code",
+    "code_name",
     "get_compressor",
     "has_nonfinite",
     "owned_range",
-    "ring_segments",
-    "simulate_half_ring_allreduce",
-    "simulate_onebit_allreduce",
+    "resolve",
 ]

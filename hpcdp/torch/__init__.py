@@ -2,10 +2,8 @@
 model-level collectives. Transport lives in :mod:`hpcdp.comm`; everything that
 touches ``torch.nn`` or ``torch.optim`` lives here."""
 from .ddp import DistributedDataParallel
-from .errors import ModelMismatchError, ReplicaMismatchError, UnusedParametersError
 from .functions import broadcast_optimizer_state, broadcast_parameters, check_replicas
 from .optimizer import DistributedOptimizer
 
 __all__ = ["DistributedDataParallel", "DistributedOptimizer", "broadcast_parameters",
-           "broadcast_optimizer_state", "check_replicas", "ModelMismatchError",
-           "UnusedParametersError", "ReplicaMismatchError"]
+           "broadcast_optimizer_state", "check_replicas"]

@@ -22,7 +22,7 @@ import torch
 from .._runtime import init, is_initialized, runtime
 from ..collectives import barrier, broadcast
 from ..comm.engine import rank_ranges
-from .errors import ModelMismatchError, ReplicaMismatchError
+from ..errors import ModelMismatchError, ReplicaMismatchError
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "check_replicas"]
 

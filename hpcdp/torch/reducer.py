@@ -39,7 +39,7 @@ import torch
 from .._runtime import runtime
 from ..collectives import allreduce_async, broadcast
 from .buckets import plan_buckets
-from .errors import UnusedParametersError
+from ..errors import UnusedParametersError
 from .functions import allgather_drained
 
 __all__ = ["Reducer"]

@@ -13,6 +13,8 @@ import re
 
 import numpy as np
 
+from ..errors import TraceError
+
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "EventKind", "EVENT_DTYPE", "CLOCK_DTYPE",
     "BUCKET_DTYPE", "COMMIT_FIELDS", "rank_filename", "parse_rank_filename", "TraceError",
@@ -93,6 +95,3 @@ def parse_rank_filename(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-class TraceError(Exception):
-    """A trace file or run directory is missing, truncated, foreign or inconsistent,
-    or a recorder is misused. The message names the file and what is wrong."""

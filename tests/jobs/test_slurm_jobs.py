@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 if "hpcdp_cluster_harness" in sys.modules:
     harness = sys.modules["hpcdp_cluster_harness"]
 else:

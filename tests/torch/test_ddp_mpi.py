@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hpcdp  # noqa: E402
-from hpcdp.torch.errors import (ModelMismatchError, ReplicaMismatchError,  # noqa: E402
+from hpcdp.errors import (ModelMismatchError, ReplicaMismatchError,  # noqa: E402
                                 UnusedParametersError)
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]

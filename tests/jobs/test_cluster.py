@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Load tools/cluster/harness.py by path (tools/ is not a package).
 _spec = importlib.util.spec_from_file_location("hpcdp_cluster_harness",
                                                ROOT / "tools" / "cluster" / "harness.py")

@@ -1,0 +1,48 @@
+"""The library's exceptions, under one base class :class:`hpcdp.Error`.
+
+Catch ``hpcdp.Error`` to handle anything hpcdp raises on purpose. Each class also
+derives from the builtin a caller would expect (``RuntimeError``), so existing
+``except RuntimeError`` blocks keep working. Errors raised by a collective are
+raised on every rank alike and name the rank, the tensor and what was expected.
+"""
+from __future__ import annotations
+
+__all__ = ["Error", "NotInitializedError", "CommError", "MismatchError", "CheckpointError",
+           "ModelMismatchError", "UnusedParametersError", "ReplicaMismatchError", "TraceError"]
+
+
+class Error(Exception):
+    """Base of every exception hpcdp raises on purpose."""
+
+
+class NotInitializedError(Error, RuntimeError):
+    """An hpcdp function was called before :func:`hpcdp.init`."""
+
+
+class CommError(Error, RuntimeError):
+    """A collective failed; the message names the rank and the operation."""
+
+
+class MismatchError(CommError):
+    """Ranks passed different lengths, dtypes or ops to the same collective."""
+
+
+class CheckpointError(Error, RuntimeError):
+    """A checkpoint could not be written or read; raised on every rank alike."""
+
+
+class ModelMismatchError(MismatchError):
+    """Ranks built different models (parameter names, shapes or dtypes differ)."""
+
+
+class UnusedParametersError(Error, RuntimeError):
+    """Some parameters got no gradient in a backward pass and the wrapper was not told to expect it."""
+
+
+class ReplicaMismatchError(Error, RuntimeError):
+    """:func:`hpcdp.check_replicas` found ranks whose parameters or buffers differ."""
+
+
+class TraceError(Error):
+    """A trace file or run directory is missing, truncated, foreign or inconsistent,
+    or a recorder is misused. The message names the file and what is wrong."""
