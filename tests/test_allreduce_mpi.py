@@ -133,7 +133,8 @@ def test_poll_mode_engine_drives_by_progress_calls(world, rt):
     """HPCDP_PROGRESS=poll: no thread, progress only inside progress()/wait()."""
     from hpcdp.comm.buffers import as_buffer
     from hpcdp.comm.engine import Engine
-    from hpcdp.comm.ring import PlainCodec, RingConfig, ring_allreduce
+    from hpcdp.comm.op import OpContext
+    from hpcdp.comm.ring import PlainFrames, RingConfig, ring_allreduce
     comm = world.Dup()
     try:
         eng = Engine(comm, rt.MPI, "poll")
@@ -143,8 +144,8 @@ def test_poll_mode_engine_drives_by_progress_calls(world, rt):
         hs = []
         for i, x in enumerate(xs):
             b = as_buffer(x)
-            gen = ring_allreduce(comm, rt.MPI, b.n, PlainCodec(b, False, size), b.ops.alloc(2048),
-                                 i + 1, cfg, 4)
+            gen = ring_allreduce(OpContext(comm, rt.MPI, i + 1), b.n, PlainFrames(b, False, size),
+                                 b.ops.alloc(2048), cfg, 4)
             hs.append(eng.submit(gen, f"x{i}", x))
         assert eng._thread is None
         for _ in range(100000):

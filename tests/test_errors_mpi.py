@@ -38,7 +38,7 @@ def test_mismatched_dtypes_and_ops(world):
     with pytest.raises(hpcdp.MismatchError, match="float64"):
         hpcdp.allreduce(x)
     y = np.zeros(8, dtype=np.float32)
-    with pytest.raises(hpcdp.MismatchError, match="op=avg, compression=None"):
+    with pytest.raises(hpcdp.MismatchError, match="op=avg, compression=none"):
         hpcdp.allreduce(y, op="avg" if rank == 0 else "sum")
 
 

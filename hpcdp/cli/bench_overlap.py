@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     from hpcdp.comm.buffers import as_buffer
     from hpcdp.comm.engine import Engine
     from hpcdp.collectives import _cfg
-    from hpcdp.comm.ring import PlainCodec, ring_allreduce
+    from hpcdp.comm.op import OpContext
+    from hpcdp.comm.ring import PlainFrames, ring_allreduce
 
     hpcdp.init()
     rt = runtime()
@@ -89,8 +90,8 @@ def main(argv=None) -> int:
                     h = hpcdp.allreduce_async(x, check=False)
                     compute(units)
                 else:
-                    gen = ring_allreduce(poll_comm, MPI, buf.n, PlainCodec(buf, False, rt.size), tmp, 7,
-                                         _cfg, 4)
+                    gen = ring_allreduce(OpContext(poll_comm, MPI, 7), buf.n,
+                                         PlainFrames(buf, False, rt.size), tmp, _cfg, 4)
                     h = poll_engine.submit(gen, "bench", x)
                     compute(units, poll_engine.progress if mode == "poll" else None)
                 tw = time.perf_counter()

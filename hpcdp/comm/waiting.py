@@ -19,7 +19,7 @@ import ctypes
 import os
 from os import sched_yield
 
-__all__ = ["decide_wait", "mpi_yields_when_idle", "complete"]
+__all__ = ["decide_wait", "mpi_yields_when_idle", "complete", "drive"]
 
 
 def complete(MPI, pending, yield_cpu: bool) -> None:
@@ -38,6 +38,18 @@ def complete(MPI, pending, yield_cpu: bool) -> None:
     else:
         pending.Wait()
 
+
+
+def drive(MPI, gen, yield_cpu: bool):
+    """Run an operation generator to its end on this thread, completing every request it
+    yields as :func:`complete` does; return what the generator returns."""
+    try:
+        pending = next(gen)
+        while True:
+            complete(MPI, pending, yield_cpu)
+            pending = next(gen)
+    except StopIteration as stop:
+        return stop.value
 
 # MPI_T control variables through which a library says that its own busy wait gives the
 # core away, in the order tried; a nonzero value means it does

@@ -68,8 +68,11 @@ def resolve(spec, tensor: str, dtype: str, device: str, owner: str = "hpcdp"):
     if isinstance(comp, NoCompression):
         return None
     host, cuda = device == "cpu", device.split(":")[0] == "cuda"
-    if dtype.replace("torch.", "") != "float32" or not (host or cuda):
+    float32 = dtype.replace("torch.", "") == "float32"
+    if not float32 or not (host or cuda):
+        fix = ("pass a torch tensor (torch.as_tensor(x, device='cuda') is zero copy)" if float32
+               else "keep it float32")
         raise TypeError(f"{owner}: compression={comp.name!r} needs float32 tensors on the CPU or a "
                         f"CUDA device (numpy arrays, torch CPU or CUDA tensors), but {tensor!r} is "
-                        f"{dtype} on {device}; keep it float32 or use compression=None")
+                        f"{dtype} on {device}; {fix} or use compression=None")
     return comp if host else comp.to_torch()

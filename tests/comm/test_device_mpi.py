@@ -221,9 +221,9 @@ def test_fake_cuda_onebit_matches_host_over_steps(world, transport, op, n):
 
 
 def test_compression_of_other_device_arrays_is_refused(world):
-    with pytest.raises(TypeError, match="needs a torch tensor.*FakeGPUArray"):
+    with pytest.raises(TypeError, match="needs float32 tensors.*FakeGPUArray.*torch.as_tensor"):
         hpcdp.allreduce(FakeGPUArray(np.zeros(8, np.float32)), compression="fp16", name="g")
-    with pytest.raises(TypeError, match="float32 host buffer or CUDA tensor.*float64"):
+    with pytest.raises(TypeError, match="needs float32 tensors on the CPU or a CUDA device.*float64"):
         hpcdp.allreduce(FakeCudaTensor.of(np.zeros(8)), compression="onebit", name="g")
 
 
