@@ -2,7 +2,8 @@
 
 No MPI here: the transport (``hpcdp.comm``) moves the payloads and calls these
 compressors at fixed points of its collective (see ``docs/compression.md``).
-The numba kernels compile on first use, not at import.
+The numba kernels compile on first use, not at import; torch is imported only
+when a compressor is asked for its torch backend (``to_torch()``).
 """
 
 from .base import BucketState, Compressor, RingCompressor
@@ -10,7 +11,6 @@ from .halfprec import HalfPrecision, NoCompression, has_nonfinite
 from .memory import OneBitState, chunk_numel, owned_range
 from .onebit import OneBit
 from .registry import COMPRESSOR_NAMES, code, code_name, get_compressor, resolve
-from .simulate import ring_segments, simulate_half_ring_allreduce, simulate_onebit_allreduce
 from .state import StateStore
 
 __all__ = [

@@ -1,66 +1,41 @@
-"""The compression contract: compressors, per-bucket state, argument checks.
+"""The codec protocol: what the transport calls, and the per-bucket state.
 
-A compressor turns a float32 bucket (or a chunk of one) into a *payload*, a
-numpy array that travels as raw bytes, and back. It knows nothing of MPI: the
-communication engine moves the payloads and calls the compressor at fixed
-points of its collective, named by ``Compressor.collective``:
+A compressor (codec) turns float32 data into *frames* that travel as raw bytes,
+and back. It knows nothing of MPI: the transport (:mod:`hpcdp.comm`) schedules
+and moves the frames, and calls the codec at fixed points named by
+``Compressor.collective``:
 
-``"ring"`` (:class:`RingCompressor`: none, fp16, bf16)
-    Used inside a ring allreduce. Stateless; every call works on one chunk.
+``"ring"`` (:class:`RingCompressor`: fp16, bf16, none), stateless, per chunk:
+    1. ``encode(x, scale=1/N, out=frame)``: the first chunk a rank sends;
+    2. ``reduce_encode(received, x, scale, out=frame)``: each scatter-reduce step
+       adds a received partial sum to this rank's own ``x * scale`` in float32
+       and re-encodes it for the next hop;
+    3. ``decode(frame, x)``: the owner's final frame, and every frame the
+       allgather brings, becomes the data on every rank (the same bits).
+    One wire element (``wire_dtype``) per float32 element.
 
-``"two_phase"`` (:class:`~hpcdp.compress.onebit.OneBit`)
-    Its own allreduce: an all-to-all of worker frames, a server step on each
-    rank, an allgather of server frames. Keeps error-feedback residuals in a
-    per-bucket :class:`~hpcdp.compress.memory.OneBitState`.
+``"two_phase"`` (:class:`~hpcdp.compress.onebit.OneBit`), per bucket, with state:
+    1. ``encode(x, state)``: N frames, row j for rank j (worker error feedback);
+    2. ``server_reduce(received, state)``: rank j reduces the N rows it received
+       into one frame (server error feedback);
+    3. ``decode(gathered, x)``: every rank decodes the same N server frames.
 
-Every compressor creates a per-bucket state with :meth:`Compressor.new_state`;
-states round-trip through ``state_dict()`` / ``load_state_dict()`` for
-checkpoints.
+State: ``new_state(numel, world_size, rank, name)`` makes a bucket's state
+(:class:`BucketState`, or :class:`~hpcdp.compress.memory.OneBitState` with the
+residuals); it round-trips through ``state_dict()`` / ``load_state_dict()``;
+:class:`~hpcdp.compress.state.StateStore` owns the states of a process.
+
+Backends: the built-in codecs are one class each, computing with a kernel
+backend (``impl``: ``"numba"``, ``"numpy"`` or ``"torch"``, see
+:mod:`hpcdp.compress.arrays`); ``to_torch()`` gives the same codec on torch
+tensors, which is what device buffers are compressed with.
 """
 
 from abc import ABC, abstractmethod
 
 import numpy as np
 
-#: ``fmt`` codes shared by the kernel backends.
-FMT_FP16 = 0
-FMT_BF16 = 1
-
-#: Elements per partial sum of the 1-bit sum of squares (``onebit_sumsq``); fixed, so
-#: that the result depends neither on the number of threads nor on the backend.
-SUMSQ_BLOCK = 4096
-
-IMPLS = ("numba", "numpy")
-
-
-def load_backend(impl):
-    """The kernel module for ``impl``: ``"numba"`` (compiled) or ``"numpy"`` (reference)."""
-    if impl == "numba":
-        from . import kernels  # imports numba: deferred so `import hpcdp` stays fast
-
-        return kernels
-    if impl == "numpy":
-        from . import reference
-
-        return reference
-    raise ValueError(f"unknown kernel implementation {impl!r}; valid: {', '.join(IMPLS)}")
-
-
-def check_array(arr, what, dtype, *, size=None, ndim=1, writeable=False):
-    """Validate a buffer argument; errors name it and give expected and actual values."""
-    if not isinstance(arr, np.ndarray):
-        raise TypeError(f"{what}: expected a numpy.ndarray, got {type(arr).__name__}")
-    if arr.dtype != dtype:
-        raise TypeError(f"{what}: expected dtype {np.dtype(dtype).name}, got {arr.dtype.name}")
-    if arr.ndim != ndim:
-        raise ValueError(f"{what}: expected {ndim}-D, got shape {arr.shape}")
-    if not arr.flags.c_contiguous:
-        raise ValueError(f"{what}: must be contiguous (got strides {arr.strides})")
-    if size is not None and arr.size != size:
-        raise ValueError(f"{what}: expected {size} elements, got {arr.size}")
-    if writeable and not arr.flags.writeable:
-        raise ValueError(f"{what}: must be writeable")
-    return arr
+from .arrays import backend
 
 
 class BucketState:
@@ -117,9 +92,6 @@ class BucketState:
                     "and world size, so start this bucket from a fresh state instead"
                 )
 
-    def check_input(self, x):
-        """Validate the full float32 bucket passed to a compressor."""
-        return check_array(x, f"bucket {self.name!r}", np.float32, size=self.numel)
 
 
 class Compressor:
@@ -127,6 +99,12 @@ class Compressor:
 
     name = ""
     collective = ""
+    impl = None
+
+    def _use(self, impl):
+        """Compute with the kernels and arrays of ``impl`` (see :func:`~hpcdp.compress.arrays.backend`)."""
+        self._k, self._xp = backend(impl)
+        self.impl = impl
 
     def new_state(self, numel, world_size, rank, name="bucket"):
         """Per-bucket state for one rank (identity only, for stateless compressors)."""
@@ -135,8 +113,8 @@ class Compressor:
     def to_torch(self):
         """This compressor computing with torch ops on torch tensors (GPU buffers).
 
-        The built-in compressors return their twin from :mod:`hpcdp.compress.device`:
-        the same bytes, computed on the tensors' device. Others have none.
+        The built-in compressors return themselves with the torch backend: the same
+        bytes, computed on the tensors' device. Others have none.
         """
         raise TypeError(
             f"{self!r} has no torch implementation, so it cannot compress GPU buffers; use "
@@ -162,10 +140,16 @@ class RingCompressor(Compressor, ABC):
         """Bytes on the wire for ``numel`` elements."""
         return int(numel) * self.wire_dtype.itemsize
 
-    def _payload_out(self, out, size, what="out"):
+    @property
+    def _wire(self):
+        """The payload type of this backend (numpy ``wire_dtype`` or its torch twin)."""
+        return self.wire_dtype
+
+    def _payload_out(self, out, like, what="out"):
+        xp = self._xp
         if out is None:
-            return np.empty(size, dtype=self.wire_dtype)
-        return check_array(out, what, self.wire_dtype, size=size, writeable=True)
+            return xp.empty(xp.numel(like), self._wire, like)
+        return xp.check(out, what, self._wire, size=xp.numel(like), like=like, writeable=True)
 
     @abstractmethod
     def encode(self, x, *, scale=1.0, out=None):

@@ -29,7 +29,7 @@ from numba import njit, prange
 from numba.core import types
 from numba.extending import intrinsic
 
-from .base import FMT_BF16, SUMSQ_BLOCK
+from .formats import FMT_BF16, SUMSQ_BLOCK
 
 _PARALLEL = dict(parallel=True, nogil=True, cache=True, fastmath=False)
 _SCALAR = dict(nogil=True, cache=True, fastmath=False)

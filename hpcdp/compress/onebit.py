@@ -32,54 +32,36 @@ output (check it with ``has_nonfinite``) without poisoning later steps.
 
 import numpy as np
 
-from .base import Compressor, check_array, load_backend
+from .base import Compressor
+from .formats import SCALE_NBYTES
 from .memory import OneBitState, chunk_numel, valid_counts
-
-SCALE_NBYTES = 4
-_WIRE_FLOAT = np.dtype("<f4")
-
-
-def _scales(sumsq, counts):
-    """float32 ``sqrt(sumsq / count)`` per chunk (0 for empty chunks)."""
-    with np.errstate(invalid="ignore"):
-        return np.sqrt(sumsq / np.maximum(counts, 1)).astype(np.float32)
-
-
-def _read_scales(frames):
-    return np.ascontiguousarray(frames[:, :SCALE_NBYTES]).view(_WIRE_FLOAT)[:, 0].astype(np.float32)
 
 
 class OneBit(Compressor):
     """Sign compression with one L2 scale per chunk and two-level error feedback.
 
     ``warmup_steps``: number of uncompressed steps before compression starts
-    (counted per bucket in ``state.step``). ``impl``: ``"numba"`` kernels or the
-    ``"numpy"`` reference; the sign bits agree exactly, scales to float rounding.
+    (counted per bucket in ``state.step``). ``impl``: ``"numba"`` kernels, the
+    ``"numpy"`` reference (sign bits agree exactly, scales to float rounding) or
+    ``"torch"`` ops on the tensors' device (:meth:`to_torch`; the same bytes as
+    numba), whose state residuals move to the device on first use.
     """
 
     name = "onebit"
     collective = "two_phase"
 
     def __init__(self, warmup_steps=0, impl="numba"):
-        self.warmup_steps = self._warmup(warmup_steps)
-        self.impl = impl
-        self._backend = load_backend(impl)
-
-    @staticmethod
-    def _warmup(warmup_steps) -> int:
-        """``warmup_steps`` as a count, or a clear error."""
         if int(warmup_steps) < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-        return int(warmup_steps)
+        self.warmup_steps = int(warmup_steps)
+        self._use(impl)
 
     def __repr__(self):
         return f"OneBit(warmup_steps={self.warmup_steps}, impl={self.impl!r})"
 
     def to_torch(self):
-        """The same compressor over torch tensors (:class:`~hpcdp.compress.device.TorchOneBit`)."""
-        from .device import TorchOneBit
-
-        return TorchOneBit(self.warmup_steps)
+        """The same compressor computing with torch ops on torch tensors."""
+        return self if self.impl == "torch" else OneBit(self.warmup_steps, impl="torch")
 
     def new_state(self, numel, world_size, rank, name="bucket"):
         """Zero residuals for bucket ``name`` of ``numel`` elements on ``rank``."""
@@ -90,6 +72,10 @@ class OneBit(Compressor):
         m = chunk_numel(numel, world_size)
         return SCALE_NBYTES + m // 8 if compressed else 4 * m
 
+    def payload_nbytes(self, numel, world_size, state):
+        """Bytes a rank hands to the all-to-all for this bucket at ``state``'s step."""
+        return world_size * self.frame_nbytes(numel, world_size, compressed=self.is_compressing(state))
+
     def is_compressing(self, state):
         """False during the warm-up steps of this bucket."""
         return state.step >= self.warmup_steps
@@ -99,28 +85,31 @@ class OneBit(Compressor):
 
         Updates ``state.worker_residual`` (compressed steps only).
         """
+        xp = self._xp
         self._check_state(state)
-        state.check_input(x)
+        xp.check(x, f"bucket {state.name!r}", xp.float32, size=state.numel)
+        xp.residuals(state, x)
         n, world = state.numel, state.world_size
-        m = chunk_numel(n, world)
         compressed = self.is_compressing(state)
-        out = self._frames_out(
-            out, world, self.frame_nbytes(n, world, compressed=compressed), state
-        )
+        out = self._frames_out(out, world, self.frame_nbytes(n, world, compressed=compressed), state, x)
         if compressed:
-            sumsq = np.empty(world, dtype=np.float64)
-            self._backend.onebit_sumsq(x, state.worker_residual, m, sumsq)
-            scales = _scales(sumsq, valid_counts(n, world))
-            self._backend.onebit_pack(x, state.worker_residual, m, scales, out, SCALE_NBYTES)
-            out[:, :SCALE_NBYTES] = (
-                scales.astype(_WIRE_FLOAT).view(np.uint8).reshape(world, SCALE_NBYTES)
-            )
+            self._pack(x, state.worker_residual, valid_counts(n, world), out)
         else:
-            flat = out.view(_WIRE_FLOAT).reshape(-1)
+            flat = xp.float32_view(out)
             flat[:n] = x
             flat[n:] = 0
         state.step += 1
         return out
+
+    def _pack(self, x, residual, counts, frames):
+        """1. sum of squares of ``x + residual`` per chunk; 2. scale = L2 / sqrt(count);
+        3. signs packed behind the scale, the residual updated (fused kernel)."""
+        xp, m = self._xp, 8 * (frames.shape[1] - SCALE_NBYTES)
+        sumsq = xp.empty(frames.shape[0], xp.float64, x)
+        self._k.onebit_sumsq(x, residual, m, sumsq)
+        scales = xp.scales(sumsq, np.maximum(counts, 1), x)
+        self._k.onebit_pack(x, residual, m, scales, frames, SCALE_NBYTES)
+        xp.write_scales(frames, scales)
 
     def server_reduce(self, received, state, *, out=None):
         """Server phase on rank ``state.rank``: ``(F,)`` uint8 frame of the averaged chunk.
@@ -128,33 +117,24 @@ class OneBit(Compressor):
         ``received`` is ``(N, F)``, row i being row ``state.rank`` of rank i's
         frames. Updates ``state.server_residual`` (compressed steps only).
         """
-        n, world = state.numel, state.world_size
-        width, compressed = self._server_input(
-            received, state, lambda a, what: check_array(a, what, np.uint8, ndim=2))
-        out = self._frames_out(out, 1, width, state).reshape(width)
-        m = chunk_numel(n, world)
-        v = state.server_residual.size
+        xp, world = self._xp, state.world_size
+        width, compressed = self._server_input(received, state)
+        out = self._frames_out(out, 1, width, state, received)
+        v = state.server_residual.shape[0]
         if compressed:
-            weights = _read_scales(received) / np.float32(world)
-            mean = np.empty(v, dtype=np.float32)
-            self._backend.onebit_unpack_mean(received, SCALE_NBYTES, weights, mean)
-            sumsq = np.empty(1, dtype=np.float64)
-            self._backend.onebit_sumsq(mean, state.server_residual, m, sumsq)
-            scale = _scales(sumsq, v)
-            self._backend.onebit_pack(
-                mean, state.server_residual, m, scale, out.reshape(1, width), SCALE_NBYTES
-            )
-            out[:SCALE_NBYTES] = scale.astype(_WIRE_FLOAT).view(np.uint8)
+            weights = xp.divide(xp.read_scales(received), world)
+            mean = xp.empty(v, xp.float32, received)
+            self._k.onebit_unpack_mean(received, SCALE_NBYTES, weights, mean)
+            self._pack(mean, state.server_residual, np.array([v]), out)
         else:
-            rows = received.view(_WIRE_FLOAT)
-            total = rows[0, :v].astype(np.float32)
+            rows = xp.float32_view(received).reshape(world, width // 4)
+            total = xp.copy(rows[0, :v])
             for i in range(1, world):
                 total += rows[i, :v]
-            total /= np.float32(world)
-            chunk = out.view(_WIRE_FLOAT)
-            chunk[:v] = total
+            chunk = xp.float32_view(out)
+            chunk[:v] = xp.divide(total, world)
             chunk[v:] = 0
-        return out
+        return out.reshape(width)
 
     def decode(self, gathered, out, *, accumulate=False):
         """Final phase: write (or add) the averaged bucket into float32 ``out``.
@@ -162,50 +142,42 @@ class OneBit(Compressor):
         ``gathered`` is ``(N, F)``, row j being rank j's server frame; the bucket
         size is ``out.size``.
         """
-        check_array(out, "out", np.float32, writeable=True)
-        check_array(gathered, "gathered frames", np.uint8, ndim=2)
-        n, (world, width) = out.size, gathered.shape
+        xp = self._xp
+        xp.check(out, "out", xp.float32, writeable=True)
+        xp.check(gathered, "gathered frames", xp.uint8, ndim=2, like=out)
+        n, (world, width) = xp.numel(out), gathered.shape
         if self._is_compressed_width(n, world, width, "gathered frames"):
-            scales = _read_scales(gathered)
-            self._backend.onebit_unpack(gathered, SCALE_NBYTES, scales, out, bool(accumulate))
+            self._k.onebit_unpack(gathered, SCALE_NBYTES, xp.read_scales(gathered), out,
+                                  bool(accumulate))
+        elif accumulate:
+            out += xp.float32_view(gathered)[:n]
         else:
-            values = gathered.view(_WIRE_FLOAT).reshape(-1)[:n]
-            if accumulate:
-                out += values
-            else:
-                out[:] = values
+            out[:] = xp.float32_view(gathered)[:n]
         return out
-
-    #: where this compressor accepts a state's residuals (the torch twin: anywhere)
-    _RESIDUALS = np.ndarray
 
     def _check_state(self, state):
         if not isinstance(state, OneBitState):
             raise TypeError(
                 f"OneBit needs a OneBitState from OneBit.new_state(), got {type(state).__name__}"
             )
-        if not isinstance(state.worker_residual, self._RESIDUALS):
-            raise TypeError(
-                f"bucket {state.name!r}: this state's residuals live on "
-                f"{state.worker_residual.device} (a GPU bucket used it); give host buckets a "
-                "state of their own"
-            )
 
-    def _frames_out(self, out, rows, width, state):
+    def _frames_out(self, out, rows, width, state, like):
+        """``(rows, width)`` uint8 frames on ``like``'s device: new, or ``out`` checked."""
+        xp = self._xp
         if out is None:
-            return np.empty((rows, width), dtype=np.uint8)
+            return xp.empty((rows, width), xp.uint8, like)
         what = f"bucket {state.name!r}: out"
-        check_array(out, what, np.uint8, ndim=out.ndim, writeable=True)
-        if out.size != rows * width:
-            raise ValueError(f"{what}: expected {rows}x{width} bytes, got shape {out.shape}")
+        xp.check(out, what, xp.uint8, ndim=out.ndim, like=like, writeable=True)
+        if xp.numel(out) != rows * width:
+            raise ValueError(f"{what}: expected {rows}x{width} bytes, got shape {tuple(out.shape)}")
         return out.reshape(rows, width)
 
-    def _server_input(self, received, state, check):
-        """Check the server phase's ``(N, F)`` frames (``check(frames, what)``: their
-        type); returns ``(F, compressed)``."""
+    def _server_input(self, received, state):
+        """Check the server phase's ``(N, F)`` frames; returns ``(F, compressed)``."""
         self._check_state(state)
         what = f"bucket {state.name!r}: received frames"
-        check(received, what)
+        self._xp.check(received, what, self._xp.uint8, ndim=2)
+        self._xp.residuals(state, received)
         if received.shape[0] != state.world_size:
             raise ValueError(
                 f"{what}: expected {state.world_size} rows (one per rank), got {received.shape[0]}"

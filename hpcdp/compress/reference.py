@@ -8,7 +8,7 @@ Used as the test oracle and as the peer in ``hpcdp-bench compress``.
 
 import numpy as np
 
-from .base import FMT_BF16
+from .formats import FMT_BF16
 
 
 def _half_to_f32(h, fmt):

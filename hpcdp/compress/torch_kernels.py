@@ -30,7 +30,7 @@ canonical NaN); a NaN stays a NaN, and every other value is bit-identical.
 
 import torch
 
-from .base import FMT_BF16, SUMSQ_BLOCK
+from .formats import FMT_BF16, SUMSQ_BLOCK
 
 _HALF = {False: torch.float16, True: torch.bfloat16}
 _BIT_WEIGHTS = {}  # device -> uint8 [128, 64, ..., 1]: bit 7 - t of a byte is element t
@@ -183,3 +183,8 @@ def onebit_unpack_mean(frames, offset, weights, out):
         w = weights[i]
         acc.add_(torch.where(positive[i], w, -w))
     out.copy_(acc)
+
+
+def count_nonfinite(bits, exponent_mask):
+    """Number of inf/NaN values in a float tensor given as its integer view."""
+    return int(((bits & exponent_mask) == exponent_mask).sum())

@@ -22,11 +22,10 @@ from hpcdp.compress import (
     kernels,
     owned_range,
     reference,
-    ring_segments,
-    simulate_half_ring_allreduce,
-    simulate_onebit_allreduce,
 )
-from hpcdp.compress.base import FMT_BF16, FMT_FP16
+from hpcdp.compress.formats import FMT_BF16, FMT_FP16
+
+from oracle import ring_segments, simulate_half_ring_allreduce, simulate_onebit_allreduce
 
 SIZES = [0, 1, 7, 8, 9, 1001, 65537]
 FMTS = {"fp16": FMT_FP16, "bf16": FMT_BF16}

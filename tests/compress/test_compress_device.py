@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from hpcdp.compress import (BucketState, HalfPrecision, NoCompression, OneBit, OneBitState,
-                            chunk_numel, get_compressor, kernels, reference,
-                            simulate_onebit_allreduce)
+                            chunk_numel, get_compressor, kernels, reference)
 from hpcdp.compress import torch_kernels as tk
-from hpcdp.compress.base import FMT_BF16, FMT_FP16, Compressor
-from hpcdp.compress.device import TorchHalfPrecision, TorchOneBit
+from hpcdp.compress.base import Compressor
+from hpcdp.compress.formats import FMT_BF16, FMT_FP16
 from hpcdp.torch.reducer import _compressor
 
+from oracle import simulate_onebit_allreduce
 from test_compress import special_values
 
 SIZES = [0, 1, 7, 8, 9, 1001, 65537]
@@ -204,7 +204,7 @@ def test_sumsq_equality_is_not_an_accident_of_the_data():
 def test_torch_half_precision_matches_host(device, wire):
     dev = _device(device)
     host, ours = HalfPrecision(wire), HalfPrecision(wire).to_torch()
-    assert isinstance(ours, TorchHalfPrecision) and ours.name == wire and ours.impl == "torch"
+    assert isinstance(ours, HalfPrecision) and ours.name == wire and ours.impl == "torch"
     assert ours.wire_dtype == host.wire_dtype and ours.payload_nbytes(10) == 20
     x = special_values(1001, seed=5)
     y = special_values(1001, seed=6)
@@ -227,7 +227,7 @@ def test_torch_half_precision_matches_host(device, wire):
 
 
 def test_torch_half_precision_argument_checks():
-    comp = TorchHalfPrecision("fp16")
+    comp = HalfPrecision("fp16", impl="torch")
     with pytest.raises(TypeError, match="x: expected a torch.Tensor, got ndarray"):
         comp.encode(np.zeros(3, np.float32))
     with pytest.raises(TypeError, match="x: expected dtype torch.float32, got torch.float64"):
@@ -235,7 +235,7 @@ def test_torch_half_precision_argument_checks():
     with pytest.raises(ValueError, match="out: expected 4 elements, got 5"):
         comp.decode(torch.zeros(4, dtype=torch.float16), torch.zeros(5))
     with pytest.raises(ValueError, match="unknown half-precision wire format 'fp8'"):
-        TorchHalfPrecision("fp8")
+        HalfPrecision("fp8", impl="torch")
 
 
 def _run_onebit(comp, xs, states, to_tensor):
@@ -258,7 +258,7 @@ def test_torch_onebit_matches_host_over_steps(device, n, world):
     """Frames, server frames, outputs and both residuals, step after step (warm-up first)."""
     dev = _device(device)
     host, ours = OneBit(warmup_steps=1), OneBit(warmup_steps=1).to_torch()
-    assert isinstance(ours, TorchOneBit) and ours.warmup_steps == 1
+    assert isinstance(ours, OneBit) and ours.impl == "torch" and ours.warmup_steps == 1
     h_states = [host.new_state(n, world, r, name="b") for r in range(world)]
     t_states = [ours.new_state(n, world, r, name="b") for r in range(world)]
     sim_states = [host.new_state(n, world, r, name="b") for r in range(world)]
@@ -286,7 +286,7 @@ def test_torch_onebit_matches_host_over_steps(device, n, world):
 
 
 def test_onebit_state_moves_to_the_device_and_checkpoints_as_numpy():
-    comp = TorchOneBit()
+    comp = OneBit(impl="torch")
     n, world = 300, 3
     states = [comp.new_state(n, world, r) for r in range(world)]
     rng = np.random.default_rng(1)
@@ -313,7 +313,7 @@ def test_onebit_state_moves_to_the_device_and_checkpoints_as_numpy():
 
 
 def test_torch_onebit_rejects_bad_inputs():
-    comp = TorchOneBit()
+    comp = OneBit(impl="torch")
     state = comp.new_state(100, 2, 0, name="fc.weight")
     with pytest.raises(ValueError, match=r"bucket 'fc.weight': expected 100 elements, got 99"):
         comp.encode(torch.zeros(99), state)

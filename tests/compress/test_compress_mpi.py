@@ -1,13 +1,15 @@
 """Compressed allreduce under mpirun: fp16/bf16 ring with fp32 accumulation, 1-bit two-phase.
 
 Each MPI result is compared byte for byte with the single-process simulation
-of the same algorithm (hpcdp.compress.simulate), on every rank.
+of the same algorithm (tests/compress/oracle.py), on every rank.
 """
 import numpy as np
 import pytest
 
 import hpcdp
-from hpcdp.compress import OneBit, simulate_half_ring_allreduce, simulate_onebit_allreduce
+from hpcdp.compress import OneBit
+
+from oracle import simulate_half_ring_allreduce, simulate_onebit_allreduce
 
 pytestmark = pytest.mark.mpi
 

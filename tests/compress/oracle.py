@@ -1,4 +1,4 @@
-"""Single-process simulations of the compressed allreduces over N virtual ranks.
+"""Test oracle: single-process simulations of the compressed allreduces over N virtual ranks.
 
 They call the compressors exactly as the MPI engine does, in the same order,
 so they are the oracle for the MPI tests: same payload bytes, same results.
@@ -6,10 +6,8 @@ so they are the oracle for the MPI tests: same payload bytes, same results.
 
 import numpy as np
 
-from .base import RingCompressor, check_array
-from .memory import OneBitState
-from .onebit import OneBit
-from .registry import get_compressor
+from hpcdp.compress import OneBit, OneBitState, RingCompressor, get_compressor
+from hpcdp.compress.arrays import check_array
 
 
 def _check_inputs(arrays):
