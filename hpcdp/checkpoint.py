@@ -35,6 +35,7 @@ import torch
 
 from ._runtime import runtime
 from .errors import CheckpointError
+from .objects import broadcast_object, gather_object, scatter_object
 
 __all__ = ["save", "load", "CheckpointError", "FORMAT", "FORMAT_VERSION"]
 
@@ -75,72 +76,10 @@ def _from_bytes(data) -> object:
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
 
 
-# ----------------------------------------------------------------------------- collectives
-def _gather_gen(rt, blob: bytes, failed: bool, out: dict, where: dict):
-    """Generator for the engine: rank 0 receives every rank's blob and failure flag."""
-    comm, MPI = rt.comm, rt.MPI
-    root = rt.rank == 0
-    where["phase"] = "checkpoint: gathering per-rank state on rank 0"
-    header = np.array([len(blob), int(failed)], dtype=np.int64)
-    table = np.zeros((rt.size, 2), dtype=np.int64) if root else None
-    yield comm.Igather(header, table, root=0)
-    if root:
-        counts = table[:, 0].copy()
-        displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        recv = bytearray(int(counts.sum()))
-        yield comm.Igatherv([blob, MPI.BYTE], [recv, counts, displs, MPI.BYTE], root=0)
-        view = memoryview(recv)
-        out["blobs"] = [bytes(view[d:d + c]) for d, c in zip(displs, counts)]
-        out["failed"] = table[:, 1].astype(bool)
-    else:
-        yield comm.Igatherv([blob, MPI.BYTE], None, root=0)
-
-
-def _bcast_gen(rt, header: np.ndarray, payload: bytes | None, phase: str, out: dict, where: dict):
-    """Generator: broadcast ``header`` (int64[3]: status, payload length, saved world size)
-    and then the payload (``payload`` is rank 0's bytes)."""
-    comm, MPI = rt.comm, rt.MPI
-    where["phase"] = phase
-    yield comm.Ibcast(header, root=0)
-    n = int(header[1])
-    buf = bytearray(payload) if rt.rank == 0 else bytearray(n)
-    if n:
-        yield comm.Ibcast([buf, MPI.BYTE], root=0)
-    out["payload"] = buf
-
-
-def _scatter_gen(rt, blobs: list | None, out: dict, where: dict):
-    """Generator: rank r receives ``blobs[r]`` (bytes) from rank 0."""
-    comm, MPI = rt.comm, rt.MPI
-    where["phase"] = "checkpoint: scattering per-rank state from rank 0"
-    root = rt.rank == 0
-    counts = np.array([len(b) for b in blobs], dtype=np.int64) if root else None
-    mine = np.zeros(1, dtype=np.int64)
-    yield comm.Iscatter(counts, mine, root=0)
-    recv = bytearray(int(mine[0]))
-    if root:
-        displs = np.concatenate(([0], np.cumsum(counts)[:-1]))
-        send = b"".join(blobs)
-        yield comm.Iscatterv([send, counts, displs, MPI.BYTE], [recv, MPI.BYTE], root=0)
-    else:
-        yield comm.Iscatterv(None, [recv, MPI.BYTE], root=0)
-    out["blob"] = recv
-
-
-def _run(rt, gen_fn, name: str, *args) -> dict:
-    out, where = {}, {}
-    rt.engine.run(gen_fn(rt, *args, out, where), name, None, where)
-    return out
-
-
-def _agree(rt, message: str, phase: str) -> str:
+# ----------------------------------------------------------------------------- agreement
+def _verdict(rt, message: str) -> str:
     """Rank 0's verdict on every rank: ``""`` (success) or rank 0's error ``message``."""
-    payload = message.encode() if rt.rank == 0 else None
-    header = np.zeros(3, dtype=np.int64)
-    if rt.rank == 0:
-        header[:2] = (_FAILED if message else _OK, len(payload))
-    out = _run(rt, _bcast_gen, "checkpoint status", header, payload, phase)
-    return out["payload"].decode(errors="replace") if header[0] != _OK else ""
+    return broadcast_object(message if rt.rank == 0 else None)
 
 
 # ----------------------------------------------------------------------------- save
@@ -166,13 +105,13 @@ def save(path, model, optimizer=None, *, step: int, epoch: int, extra=None, resi
         blob, failed = _to_bytes({"rng": _rng_state(), "residuals": residuals}), False
     except Exception as exc:  # unpicklable residuals: reported by rank 0 on every rank
         blob, failed = f"cannot serialise the per-rank state: {exc!r}".encode(), True
-    gathered = _run(rt, _gather_gen, "checkpoint gather", blob, failed)
+    gathered = gather_object((blob, failed))
     message = ""
     if rt.rank == 0:
-        bad = np.flatnonzero(gathered["failed"])
-        if len(bad):
+        bad = [r for r, (_, f) in enumerate(gathered) if f]
+        if bad:
             message = f"checkpoint {path} not written: " + "; ".join(
-                f"rank {r}: {gathered['blobs'][r].decode(errors='replace')}" for r in bad)
+                f"rank {r}: {gathered[r][0].decode(errors='replace')}" for r in bad)
         else:
             try:
                 state = {
@@ -180,12 +119,12 @@ def save(path, model, optimizer=None, *, step: int, epoch: int, extra=None, resi
                     "step": int(step), "epoch": int(epoch), "extra": extra,
                     "model": model.state_dict(),
                     "optimizer": optimizer.state_dict() if optimizer is not None else None,
-                    "ranks": gathered["blobs"],
+                    "ranks": [b for b, _ in gathered],
                 }
                 _write_atomic(path, state)
             except Exception as exc:  # disk full, permissions, unpicklable extra, ...
                 message = f"checkpoint {path} not written by rank 0: {exc!r}"
-    error = _agree(rt, message, f"checkpoint: waiting for rank 0 to write {path}")
+    error = _verdict(rt, message)
     if error:
         raise CheckpointError(error)
 
@@ -238,6 +177,19 @@ def _read(path: str, size: int, per_rank: bool):
     return _OK, "", state
 
 
+def _read_for_all(path: str, rt, per_rank: bool):
+    """Rank 0: ``(status, payload, state)``: the payload, for every rank, is the error
+    message or the serialised common part of the state (rank 0 keeps the dict)."""
+    status, message, state = _read(path, rt.size, per_rank)
+    if status != _OK or rt.size == 1:
+        return status, message, state
+    common = {k: state[k] for k in ("step", "epoch", "extra", "model", "optimizer")}
+    try:
+        return status, _to_bytes(common), state
+    except Exception as exc:
+        return _FAILED, f"checkpoint {path}: cannot serialise it for the other ranks: {exc!r}", None
+
+
 def load(path, model, optimizer=None, *, missing_ok: bool = False, per_rank: bool = True):
     """Restore a checkpoint written by :func:`save` (collective: every rank calls it).
 
@@ -254,32 +206,16 @@ def load(path, model, optimizer=None, *, missing_ok: bool = False, per_rank: boo
     """
     rt = runtime("checkpoint.load()")
     path = os.fspath(path)
-    state, payload, header = None, None, np.zeros(3, dtype=np.int64)
-    if rt.rank == 0:
-        status, message, state = _read(path, rt.size, per_rank)
-        if status == _OK and rt.size > 1:
-            common = {k: state[k] for k in ("step", "epoch", "extra", "model", "optimizer")}
-            try:
-                payload = _to_bytes(common)
-            except Exception as exc:
-                status, message = _FAILED, f"checkpoint {path}: cannot serialise it for the other ranks: {exc!r}"
-        if status != _OK:
-            payload = message.encode()
-        payload = payload or b""
-        header[:] = (status, len(payload), state["world_size"] if status == _OK else 0)
-    out = _run(rt, _bcast_gen, "checkpoint load", header, payload,
-               f"checkpoint: waiting for rank 0 to read {path}")
-    status = int(header[0])
+    local = _read_for_all(path, rt, per_rank) if rt.rank == 0 else None
+    status, payload = broadcast_object(local[:2] if local is not None else None)
     if status == _MISSING and missing_ok:
         return None
     if status != _OK:
-        raise CheckpointError(out["payload"].decode(errors="replace"))
-    if rt.rank != 0:
-        state = _from_bytes(out["payload"])
+        raise CheckpointError(payload)
+    state = local[2] if local is not None else _from_bytes(payload)
     mine = None
     if per_rank:
-        blobs = state["ranks"] if rt.rank == 0 else None
-        mine = _from_bytes(_run(rt, _scatter_gen, "checkpoint scatter", blobs)["blob"])
+        mine = _from_bytes(scatter_object(state["ranks"] if rt.rank == 0 else None))
     if optimizer is not None and state["optimizer"] is None:
         raise CheckpointError(f"checkpoint {path} holds no optimizer state (saved with optimizer=None)")
     try:

@@ -10,10 +10,9 @@ import sys
 
 def main(argv=None) -> int:
     import hpcdp
-    from hpcdp._runtime import runtime
     hpcdp.init()
     info = hpcdp.info()
-    per_rank = runtime().comm.gather(
+    per_rank = hpcdp.gather_object(
         {k: info[k] for k in ("rank", "hostname", "local_rank", "local_size", "device")}, root=0)
     if info["rank"] == 0:
         info["ranks"] = per_rank

@@ -136,8 +136,8 @@ class RingCompressor(Compressor, ABC):
     collective = "ring"
     wire_dtype = np.dtype(np.float32)
 
-    def payload_nbytes(self, numel):
-        """Bytes on the wire for ``numel`` elements."""
+    def payload_nbytes(self, numel, world_size=1, state=None):
+        """Bytes handed to the ring for ``numel`` elements (one wire element each)."""
         return int(numel) * self.wire_dtype.itemsize
 
     @property

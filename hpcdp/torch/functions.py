@@ -7,22 +7,22 @@ Before that, the ranks compare the names, shapes and dtypes of what they are
 about to exchange, so a mismatch is an error on every rank naming the first
 differing tensor instead of silently scrambled weights.
 
-Small control messages (digests, names for error reports) use a duplicate of
-hpcdp's communicator, so they never match the engine's ring traffic; the
-engine is drained (``hpcdp.barrier()``) before each such exchange.
+Small control messages (digests, names for error reports, the optimizer state)
+travel as object collectives (:mod:`hpcdp.objects`), in order with every other
+hpcdp collective.
 """
 from __future__ import annotations
 
 import hashlib
 import io
 
-import numpy as np
 import torch
 
 from .._runtime import init, is_initialized, runtime
-from ..collectives import barrier, broadcast
+from ..collectives import broadcast
 from ..comm.engine import rank_ranges
 from ..errors import ModelMismatchError, ReplicaMismatchError
+from ..objects import allgather_object, broadcast_object
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "check_replicas"]
 
@@ -34,23 +34,6 @@ def _runtime(caller: str):
     if not is_initialized():
         init()
     return runtime(caller)
-
-
-def control_comm(rt):
-    """The communicator for small control exchanges (created once per runtime)."""
-    ctl = getattr(rt, "_hpcdp_torch_ctl", None)
-    if ctl is None:
-        barrier()
-        ctl = rt.comm.Dup()
-        rt._hpcdp_torch_ctl = ctl
-    return ctl
-
-
-def allgather_drained(rt, obj) -> list:
-    """``allgather`` of a small picklable object, after draining the engine on every rank."""
-    ctl = control_comm(rt)
-    barrier()
-    return ctl.allgather(obj)
 
 
 def tensor_signature(kind: str, name: str, t: torch.Tensor) -> tuple:
@@ -73,9 +56,9 @@ def check_same_across_ranks(rt, entries: list, owner: str, what: str) -> None:
     if rt.size == 1:
         return
     digest = hashlib.sha256(repr(entries).encode()).digest()
-    if len(set(allgather_drained(rt, digest))) == 1:
+    if len(set(allgather_object(digest))) == 1:
         return
-    everyone = control_comm(rt).allgather(entries)
+    everyone = allgather_object(entries)
     longest = max(len(e) for e in everyone)
     first = next(i for i in range(longest)
                  if len({repr(e[i]) if i < len(e) else None for e in everyone}) > 1)
@@ -169,18 +152,6 @@ def broadcast_parameters(params, root: int = 0) -> None:
     broadcast_tensors([t for _, t in items], root)
 
 
-def broadcast_bytes(rt, payload: bytes | None, root: int) -> bytes:
-    """Broadcast a byte string from ``root`` (other ranks pass None) through the engine."""
-    length = np.array([len(payload) if rt.rank == root else 0], dtype=np.int64)
-    broadcast(length, root=root, name="payload length")
-    n = int(length[0])
-    buf = np.zeros((n + 7) // 8 * 8, dtype=np.uint8)
-    if rt.rank == root:
-        buf[:n] = np.frombuffer(payload, dtype=np.uint8)
-    broadcast(buf.view(np.int64), root=root, name="payload")
-    return buf[:n].tobytes()
-
-
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0) -> None:
     """Give every rank ``root``'s optimizer state and hyperparameters (``state_dict``).
 
@@ -206,7 +177,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root: int = 0) -
         stream = io.BytesIO()
         torch.save(optimizer.state_dict(), stream)
         payload = stream.getvalue()
-    data = broadcast_bytes(rt, payload, root)
+    data = broadcast_object(payload, root)
     if rt.rank != root:
         optimizer.load_state_dict(torch.load(io.BytesIO(data), weights_only=True))
 
@@ -237,10 +208,10 @@ def check_replicas(module: torch.nn.Module) -> str:
     total = hashlib.sha256(repr(names).encode() + b"".join(digests)).hexdigest()
     if rt.size == 1:
         return total
-    everyone = allgather_drained(rt, total)
+    everyone = allgather_object(total)
     if len(set(everyone)) == 1:
         return total
-    per_rank = control_comm(rt).allgather((names, digests))
+    per_rank = allgather_object((names, digests))
     groups: dict[str, list[int]] = {}
     for r, d in enumerate(everyone):
         groups.setdefault(d, []).append(r)

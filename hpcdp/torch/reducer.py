@@ -31,6 +31,7 @@ order rank 0 observed the gradients arrive, broadcast so every rank agrees.
 """
 from __future__ import annotations
 
+import itertools
 from time import perf_counter_ns
 
 import numpy as np
@@ -38,13 +39,15 @@ import torch
 
 from .._runtime import runtime
 from ..collectives import allreduce_async, broadcast
+from ..compress import NoCompression, get_compressor, resolve
 from .buckets import plan_buckets
 from ..errors import UnusedParametersError
-from .functions import allgather_drained
+from ..objects import allgather_object
 
 __all__ = ["Reducer"]
 
 _MB = 1024 * 1024
+_REDUCERS = itertools.count()  # each reducer names its buckets' compressor states apart
 
 
 class _Bucket:
@@ -74,38 +77,19 @@ class _Bucket:
 
 
 def _compressor(compression, named_params, owner: str):
-    """The compressor for the buckets (None: full precision); checks what it can reduce.
-
-    float32 parameters on the CPU (numba kernels) or on CUDA devices (the
-    compressor's torch twin, which runs on the device).
-    """
+    """The compressor for the buckets (None: full precision). Every parameter must be one
+    it can reduce (float32 on the CPU or a CUDA device, where its torch twin computes):
+    :func:`hpcdp.compress.resolve` names the first that is not, before any backward."""
     if compression is None:
         return None
-    from ..compress import NoCompression, get_compressor
-    comp = get_compressor(compression)
-    if isinstance(comp, NoCompression):
-        return None
-    cuda = False
     for name, p in named_params:
-        if p.dtype != torch.float32 or p.device.type not in ("cpu", "cuda"):
-            raise TypeError(f"{owner}: compression={comp.name!r} needs float32 CPU parameters or "
-                            f"float32 CUDA parameters, but {name!r} is {p.dtype} on {p.device}; keep "
-                            "the model in float32 or use compression=None")
-        cuda = cuda or p.device.type == "cuda"
-    if cuda:
-        comp.to_torch()  # a compressor without a device implementation fails here, not mid-backward
-    return comp
+        resolve(compression, name, str(p.dtype), str(p.device), owner)
+    comp = get_compressor(compression)
+    return None if isinstance(comp, NoCompression) else comp
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
-
-
-def _payload_nbytes(comp, state, numel: int, world_size: int) -> int:
-    """Bytes a compressed allreduce of ``numel`` float32 elements is handed (its payload)."""
-    if comp.collective == "two_phase":
-        return world_size * comp.frame_nbytes(numel, world_size, compressed=comp.is_compressing(state))
-    return comp.payload_nbytes(numel)
 
 
 class Reducer:
@@ -147,7 +131,8 @@ class Reducer:
                 raise ValueError(f"{owner}: parameter {name!r} already has its gradients averaged by "
                                  f"{owner_of}; wrap the model or the optimizer, not both")
         self.compressor = _compressor(compression, named_params, owner)
-        self.compression_states = {}   # (bucket index, numel) -> compressor state (1-bit residuals)
+        # compressor states (1-bit residuals) live in the runtime's store, under this prefix
+        self.state_prefix = f"{owner}#{next(_REDUCERS)}/"
         self.cap_bytes = int(bucket_cap_mb * _MB)
         self.first_cap_bytes = int(first_bucket_mb * _MB)
         self.overlap = overlap
@@ -224,7 +209,7 @@ class Reducer:
         Compressor states belong to the old buckets' elements: they are dropped
         (1-bit: the residuals of the steps before, usually one, are forgotten and
         its warm-up counts again from here)."""
-        self.compression_states.clear()
+        self.rt.codec_states.clear(self.state_prefix)
         old_bucket_of, old_slot_of = self.bucket_of, self.slot_of
         self._layout(order)
         if not self.as_view:
@@ -360,12 +345,8 @@ class Reducer:
             # the control tail (counts, presence flags) must survive exactly: it travels
             # uncompressed, as its own tiny allreduce right after the bucket
             grads = t[:b.spec.numel] if b.tail is not None else t
-            key = (b.spec.index, grads.numel())
-            state = self.compression_states.get(key)
-            if state is None:
-                state = comp.new_state(grads.numel(), self.rt.size, self.rt.rank, name=name)
-                self.compression_states[key] = state
-            b.payload = _payload_nbytes(comp, state, grads.numel(), self.rt.size)
+            state = self.rt.codec_states.get(comp, self.state_prefix + name, grads.numel())
+            b.payload = comp.payload_nbytes(grads.numel(), self.rt.size, state)
             b.handle = allreduce_async(grads, op="avg", name=name, check=False, stats=b.stats,
                                        compression=comp, state=state, on_step=on_step)
             if b.tail is not None:
@@ -475,7 +456,7 @@ class Reducer:
 
     def _raise_unused(self, missing: list[int]) -> None:
         names = [self.names[i] for i in missing]
-        everyone = allgather_drained(self.rt, names)
+        everyone = allgather_object(names)
         lines = []
         for r, ns in enumerate(everyone):
             shown = ", ".join(repr(n) for n in ns[:10])
@@ -506,15 +487,9 @@ class Reducer:
 
     def compression_state_dict(self) -> dict:
         """This rank's compressor states (1-bit residuals) per bucket, for checkpoints."""
-        return {f"{i}:{n}": st.state_dict() for (i, n), st in self.compression_states.items()}
+        return self.rt.codec_states.state_dict(self.state_prefix)
 
     def load_compression_state_dict(self, states: dict) -> None:
         """Restore what :meth:`compression_state_dict` returned (same world size and rank)."""
-        comp = self.compressor
-        if comp is None:
-            return
-        for key, sd in states.items():
-            i, n = (int(v) for v in key.split(":"))
-            st = comp.new_state(n, self.rt.size, self.rt.rank, name=f"bucket{i}")
-            st.load_state_dict(sd)
-            self.compression_states[(i, n)] = st
+        if self.compressor is not None:
+            self.rt.codec_states.load_state_dict(states, self.compressor, self.state_prefix)

@@ -36,7 +36,6 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from ..trace.format import EventKind
-from .functions import control_comm
 
 __all__ = ["StepTracer", "open_step_tracer"]
 
@@ -66,7 +65,7 @@ def open_step_tracer(rt, trace, owner: str, named_params, compression, config: d
     from ..compress import get_compressor
     from ..trace import open_recorder
     if trace is None or isinstance(trace, (str, os.PathLike)):
-        rec = open_recorder(control_comm(rt), trace)
+        rec = open_recorder(rt.control, trace)
     elif callable(getattr(trace, "comm", None)) and callable(getattr(trace, "span", None)):
         rec = trace
     else:

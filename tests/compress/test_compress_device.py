@@ -5,8 +5,6 @@ tensors here, on CUDA tensors in the tests at the end (skipped without a GPU).
 NaN payload bits are not compared (CUDA arithmetic returns a canonical NaN):
 where an input is NaN, the outputs must both be NaN.
 """
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
@@ -16,7 +14,6 @@ from hpcdp.compress import (BucketState, HalfPrecision, NoCompression, OneBit, O
 from hpcdp.compress import torch_kernels as tk
 from hpcdp.compress.base import Compressor
 from hpcdp.compress.formats import FMT_BF16, FMT_FP16
-from hpcdp.torch.reducer import _compressor
 
 from oracle import simulate_onebit_allreduce
 from test_compress import special_values
@@ -335,35 +332,3 @@ def test_to_torch_of_every_compressor():
     for comp in (Custom(), NoCompression()):
         with pytest.raises(TypeError, match="has no torch implementation"):
             comp.to_torch()
-
-
-# --- what the DDP reducer accepts --------------------------------------------------------------
-
-
-def _param(dtype, device):
-    return SimpleNamespace(dtype=dtype, device=torch.device(device))
-
-
-def test_reducer_compressor_accepts_float32_cpu_and_cuda_parameters():
-    params = [("a", _param(torch.float32, "cpu")), ("b", _param(torch.float32, "cuda:0"))]
-    assert _compressor("onebit", params, "DDP").name == "onebit"
-    assert _compressor(None, params, "DDP") is None and _compressor("none", params, "DDP") is None
-
-
-@pytest.mark.parametrize("dtype,device", [(torch.float16, "cuda:0"), (torch.float64, "cpu"),
-                                          (torch.float32, "meta")])
-def test_reducer_compressor_names_the_parameter_it_cannot_compress(dtype, device):
-    params = [("fc.bias", _param(torch.float32, "cpu")), ("fc.weight", _param(dtype, device))]
-    with pytest.raises(TypeError, match=rf"DDP: compression='fp16' needs float32 .*'fc.weight' is "
-                                        rf"{dtype} on {device}"):
-        _compressor("fp16", params, "DDP")
-
-
-def test_reducer_compressor_needs_a_device_twin_for_cuda_parameters():
-    class Custom(Compressor):
-        name, collective = "custom", "ring"
-
-    cpu = [("w", _param(torch.float32, "cpu"))]
-    assert isinstance(_compressor(Custom(), cpu, "DDP"), Custom)
-    with pytest.raises(TypeError, match="has no torch implementation"):
-        _compressor(Custom(), cpu + [("v", _param(torch.float32, "cuda:0"))], "DDP")

@@ -382,7 +382,7 @@ def test_compressed_ddp_keeps_replicas_identical_and_close(world, compression):
 
 
 def test_compression_needs_float32_cpu(world):
-    with pytest.raises(TypeError, match="needs float32 CPU parameters"):
+    with pytest.raises(TypeError, match="needs float32 tensors on the CPU or a CUDA device"):
         hpcdp.DistributedDataParallel(_mlp(), compression="fp16")  # float64 model
 
 
