@@ -36,6 +36,11 @@ started in this process), then a final one (``"final": true``, the final
 the parsed arguments as ``args``). A fresh run truncates the file, a resumed
 run appends to it.
 
+``main(argv, on_step=CALLABLE)``: a script that imports the job can run code on
+every rank before each global step, as ``on_step(step, rank, stop)`` (``stop``:
+the :class:`~hpcdp.preempt.PreemptionHandler`, or None without
+``--checkpoint``); the tests inject faults this way.
+
 Exit status: 0 on success, 1 on a failed run (e.g. an unreadable
 checkpoint, reported on every rank), 2 on bad arguments, 75 after a
 preemption checkpoint; a rank that dies aborts the whole job.
@@ -45,9 +50,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,6 +60,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .compress import COMPRESSOR_NAMES
     from .torch.zoo import MODELS
     ap = argparse.ArgumentParser(prog="python -m hpcdp.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -70,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket size (MiB)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="average after backward instead of during it")
-    ap.add_argument("--compression", default="none", choices=["none", "fp16", "bf16", "onebit"],
+    ap.add_argument("--compression", default="none", choices=list(COMPRESSOR_NAMES),
                     help="gradient compression on the wire (default: none)")
     ap.add_argument("--compression-warmup", type=_count, default=None, metavar="N",
                     help="onebit: run the first N steps uncompressed (default: 0)")
@@ -99,230 +105,289 @@ def _count(text: str) -> int:
     return n
 
 
-# Fault injection for tests/test_slurm_jobs.py; off unless the variable is set, and on
-# purpose not a command-line option. "ACTION:STEP[:RANK]" acts on rank RANK (default 0)
-# just before global step STEP (counted from 0) computes. pause: write <checkpoint>.paused
-# (holding $SLURM_JOB_ID) and wait, at most 120 s, until this rank got a preemption signal,
-# so that a test signals the job at a known step; raise: raise RuntimeError; kill: SIGKILL.
-_TEST_HOOK = "HPCDP_TRAIN_TEST_HOOK"
+class _JobError(Exception):
+    """A run that cannot go on: rank 0 prints the message, every rank exits with ``code``."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
 
 
-def _test_hook() -> tuple[str, int, int] | None:
-    spec = os.environ.get(_TEST_HOOK, "")
-    if not spec:
-        return None
-    parts = spec.split(":")
-    if parts[0] not in ("pause", "raise", "kill") or not 2 <= len(parts) <= 3 \
-            or not all(p.isdigit() for p in parts[1:]):
-        raise ValueError(f"{_TEST_HOOK}={spec!r}: expected pause|raise|kill:STEP[:RANK]")
-    return parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else 0
+@dataclass
+class _Job:
+    """What the steps of one run share."""
+
+    args: argparse.Namespace
+    rank: int
+    size: int
+    stop: object = None          # the PreemptionHandler (with --checkpoint)
+    device: object = None
+    threads: int = 1
+    data: tuple = ()             # x_train, y_train, x_test, y_test
+    model: object = None
+    ddp: object = None
+    opt: object = None
+    steps: int = 0               # per epoch
+    step: int = 0                # global: epoch * steps + index in the epoch
+    carried: object = None       # rank 0: the loss sums of the epoch a preemption interrupted
+    t_start: float = field(default_factory=time.perf_counter)
+
+    def say(self, *a, **k) -> None:
+        if self.rank == 0:
+            print(*a, **k)
+
+    def log(self, record: dict) -> None:
+        if self.rank == 0 and self.args.log_json:
+            with open(self.args.log_json, "a") as f:
+                f.write(json.dumps(record) + "\n")
 
 
-def _fire_test_hook(action: str, step: int, rank: int, stop, checkpoint_path: str | None) -> None:
-    if action == "raise":
-        raise RuntimeError(f"hpcdp.train: {_TEST_HOOK}: injected failure on rank {rank} before step {step}")
-    if action == "kill":
-        print(f"hpcdp.train: {_TEST_HOOK}: rank {rank} kills itself (SIGKILL) before step {step}",
-              flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-    marker = f"{checkpoint_path}.paused"
-    with open(marker + ".tmp", "w") as f:
-        f.write(os.environ.get("SLURM_JOB_ID", ""))
-    os.replace(marker + ".tmp", marker)
-    deadline = time.monotonic() + 120
-    while not stop.requested:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"hpcdp.train: {_TEST_HOOK}: no preemption signal within 120 s "
-                               f"at step {step}")
-        time.sleep(0.05)
+# -- setting up -------------------------------------------------------------------------
+def _check_args(args, size: int) -> None:
+    if args.global_batch < size:
+        raise _JobError(f"--global-batch {args.global_batch} is smaller than the number of ranks "
+                        f"({size})", 2)
+    if args.epochs < 0 or args.lr <= 0 or args.samples < 10:
+        raise _JobError("--epochs must be >= 0, --lr > 0 and --samples >= 10", 2)
+    if args.compression_warmup is not None and args.compression != "onebit":
+        raise _JobError(f"--compression-warmup: --compression {args.compression} has no warm-up "
+                        "(only onebit has one)", 2)
 
 
-class _Bar:
-    def __init__(self, enabled: bool, width: int = 30):
-        self.enabled = enabled
-        self.width = width
-
-    def update(self, epoch: int, epochs: int, step: int, steps: int) -> None:
-        if not self.enabled:
-            return
-        done = self.width * step // max(steps, 1)
-        sys.stderr.write(f"\repoch {epoch}/{epochs} [{'#' * done}{'.' * (self.width - done)}] "
-                         f"{step}/{steps}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r" + " " * (self.width + 40) + "\r")
-            sys.stderr.flush()
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def _place(job: _Job) -> None:
+    """Torch threads per rank and the device (this rank's GPU, or the CPU)."""
     import torch
 
     import hpcdp
-    from . import checkpoint, preempt
     from ._runtime import runtime
-    from .torch.zoo import build_model, load_digits_split, rank_share, synthetic_dataset
-
-    hpcdp.init()
-    # before anything slow: until the handler is installed, SIGUSR1 kills the rank
-    stop = preempt.PreemptionHandler() if args.checkpoint else None
-    rank, size = hpcdp.rank(), hpcdp.size()
-    say = print if rank == 0 else (lambda *a, **k: None)
-
-    def fail(msg: str, code: int) -> int:
-        say(f"hpcdp.train: error: {msg}", file=sys.stderr, flush=True)
-        return code
-
-    if args.global_batch < size:
-        return fail(f"--global-batch {args.global_batch} is smaller than the number of ranks ({size})", 2)
-    if args.epochs < 0 or args.lr <= 0 or args.samples < 10:
-        return fail("--epochs must be >= 0, --lr > 0 and --samples >= 10", 2)
-    if args.compression_warmup is not None and args.compression != "onebit":
-        return fail(f"--compression-warmup: --compression {args.compression} has no warm-up "
-                    "(only onebit has one)", 2)
-    try:
-        hook = _test_hook()
-    except ValueError as exc:
-        return fail(str(exc), 2)
-    if hook is not None and hook[0] == "pause" and stop is None:
-        return fail(f"{_TEST_HOOK}=pause:... needs --checkpoint", 2)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // hpcdp.local_size())
-    torch.set_num_threads(threads)
+    job.threads = job.args.threads or max(1, (os.cpu_count() or 1) // hpcdp.local_size())
+    torch.set_num_threads(job.threads)
     pinned = runtime().device
-    if args.device == "cuda" and not pinned.startswith("cuda"):
-        return fail("--device cuda: this process sees no CUDA device (no GPU, or a CPU-only torch build)", 2)
-    device = torch.device("cpu" if args.device == "cpu" else pinned)
+    if job.args.device == "cuda" and not pinned.startswith("cuda"):
+        raise _JobError("--device cuda: this process sees no CUDA device (no GPU, or a CPU-only "
+                        "torch build)", 2)
+    job.device = torch.device("cpu" if job.args.device == "cpu" else pinned)
 
+
+def _load_data(job: _Job) -> None:
+    """The digits split, or the synthetic data with 20 % held out; on the job's device."""
+    from .torch.zoo import load_digits_split, synthetic_dataset
+    args = job.args
     if args.model == "digits":
-        x_tr, y_tr, x_te, y_te = load_digits_split(args.seed)
+        data = load_digits_split(args.seed)
     else:
         x, y = synthetic_dataset(args.samples, seed=42 + args.seed)
         n_test = args.samples // 5
-        x_tr, y_tr, x_te, y_te = x[n_test:], y[n_test:], x[:n_test], y[:n_test]
-    x_tr, y_tr, x_te, y_te = (t.to(device) for t in (x_tr, y_tr, x_te, y_te))
-    model = build_model(args.model, args.seed).to(device)
-    compression = None if args.compression.lower() == "none" else args.compression
+        data = (x[n_test:], y[n_test:], x[:n_test], y[:n_test])
+    job.data = tuple(t.to(job.device) for t in data)
+    job.steps = (len(job.data[0]) + args.global_batch - 1) // args.global_batch
+
+
+def _build(job: _Job) -> None:
+    """The model, its DistributedDataParallel wrapper and the optimizer."""
+    import torch
+
+    import hpcdp
+    from .torch.zoo import build_model
+    args = job.args
+    job.model = build_model(args.model, args.seed).to(job.device)
+    compression = None if args.compression == "none" else args.compression
     if args.compression_warmup is not None:
         from .compress import OneBit
         compression = OneBit(warmup_steps=args.compression_warmup)
     try:
-        ddp = hpcdp.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb,
-                                            first_bucket_mb=args.first_bucket_mb,
-                                            overlap=not args.no_overlap, compression=compression,
-                                            trace=args.trace)
+        job.ddp = hpcdp.DistributedDataParallel(
+            job.model, bucket_cap_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,
+            overlap=not args.no_overlap, compression=compression, trace=args.trace)
     except ValueError as exc:  # argument errors: raised on every rank before any communication
-        return fail(str(exc), 2)
+        raise _JobError(str(exc), 2) from exc
     if args.optimizer == "sgd":
-        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum,
-                              weight_decay=args.weight_decay)
+        job.opt = torch.optim.SGD(job.ddp.parameters(), lr=args.lr, momentum=args.momentum,
+                                  weight_decay=args.weight_decay)
     else:
-        opt = torch.optim.Adam(ddp.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        job.opt = torch.optim.Adam(job.ddp.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
-    n_train, B = len(x_tr), args.global_batch
-    steps = (n_train + B - 1) // B
-    step = 0  # global step: epoch * steps + index in the epoch
-    carried = None  # rank 0: the global loss sums of the epoch a preemption interrupted
+
+def _resume(job: _Job) -> None:
+    """Continue from ``--checkpoint`` when it exists: parameters, optimizer, step, bucket
+    layout and (with compression: same number of ranks) each rank's residuals."""
+    from . import checkpoint
+    args = job.args
+    try:
+        state = checkpoint.load(args.checkpoint, job.model, job.opt, missing_ok=True,
+                                per_rank=args.compression != "none")
+    except checkpoint.CheckpointError as exc:  # raised on every rank alike
+        raise _JobError(str(exc), 1) from exc
+    if state is None:
+        return
+    extra = state["extra"] or {}
+    if "bucket_layout" in extra:  # the same buckets as before: the same sums
+        job.ddp.reducer.load_layout_state(extra["bucket_layout"])
+    if state["residuals"]:
+        job.ddp.reducer.load_compression_state_dict(state["residuals"])
+    job.step = int(state["step"])
+    if job.rank == 0 and "epoch_totals" in extra and job.step % job.steps:  # stopped mid-epoch
+        job.carried = np.array(extra["epoch_totals"], dtype=np.float64)
+    job.say(f"resumed from {args.checkpoint} at step {job.step} (epoch {job.step // job.steps + 1}, "
+            f"step {job.step % job.steps + 1} of {job.steps})", flush=True)
+
+
+# -- training -----------------------------------------------------------------------------
+def _train_step(job: _Job, idx) -> tuple:
+    """One global step on this rank's share of the batch ``idx``; ``(loss sum, samples)``."""
+    import torch
+    from .torch.zoo import rank_share
+    x_tr, y_tr = job.data[0], job.data[1]
+    lo, hi = rank_share(len(idx), job.size, job.rank)
+    mine = idx[lo:hi]
+    job.opt.zero_grad()
+    out = job.ddp(x_tr[mine])
+    loss_sum = torch.nn.functional.cross_entropy(out, y_tr[mine], reduction="sum")
+    (loss_sum * (job.size / len(idx))).backward()
+    job.opt.step()
+    return loss_sum.item(), hi - lo
+
+
+def _epoch(job: _Job, epoch: int, on_step) -> np.ndarray:
+    """Train one epoch (from where a resumed run stopped); the global ``[loss sum, samples]``."""
+    import torch
+
+    import hpcdp
+    args, B = job.args, job.args.global_batch
+    perm = torch.from_numpy(np.random.default_rng([args.seed, epoch]).permutation(len(job.data[0])))
+    totals, job.carried = (job.carried, None) if job.carried is not None else (np.zeros(2), None)
+    first = job.step - epoch * job.steps
+    for i in _bar(job, epoch, range(first, job.steps)):
+        if on_step is not None:
+            on_step(job.step, job.rank, job.stop)
+        totals += _train_step(job, perm[i * B:(i + 1) * B])
+        job.step += 1
+        if job.stop is not None and job.stop.should_stop():
+            _preempted(job, epoch, totals)
+    hpcdp.allreduce(totals, op="sum", name="epoch loss")
+    return totals
+
+
+def _bar(job: _Job, epoch: int, steps):
+    """Rank 0's progress bar over ``steps`` (tqdm on stderr), or the plain range."""
+    shown = job.args.progress == "always" or (job.args.progress == "auto" and sys.stderr.isatty())
+    if job.rank != 0 or not shown:
+        return steps
+    from tqdm import tqdm
+    return tqdm(steps, total=job.steps, initial=steps.start, desc=f"epoch {epoch + 1}/{job.args.epochs}",
+                leave=False, file=sys.stderr, dynamic_ncols=True)
+
+
+def _preempted(job: _Job, epoch: int, totals: np.ndarray) -> None:
+    """Every rank got the same stop decision: save mid-epoch and exit for a requeue."""
+    import hpcdp
+    from . import checkpoint, preempt
+    # the epoch's loss so far: the resumed run reports the whole epoch's
+    hpcdp.allreduce(totals, op="sum", name="epoch loss")
+    checkpoint.save(job.args.checkpoint, job.model, job.opt, step=job.step, epoch=epoch,
+                    extra={"epoch_totals": totals.tolist(),
+                           "bucket_layout": job.ddp.reducer.layout_state()},
+                    residuals=job.ddp.reducer.compression_state_dict())
+    job.ddp.close_trace()
+    preempt.requeue_exit(f"hpcdp.train: {job.stop.describe()}: saved {job.args.checkpoint} "
+                         f"after step {job.step}")
+
+
+def _evaluate(job: _Job) -> tuple:
+    """Global test accuracy and mean test loss."""
+    import torch
+
+    import hpcdp
+    from .torch.zoo import rank_share
+    x_te, y_te = job.data[2], job.data[3]
+    lo, hi = rank_share(len(x_te), job.size, job.rank)
+    job.ddp.eval()
+    with torch.no_grad():
+        out = job.ddp(x_te[lo:hi])
+        correct = (out.argmax(1) == y_te[lo:hi]).sum().item()
+        loss = torch.nn.functional.cross_entropy(out, y_te[lo:hi], reduction="sum").item()
+    job.ddp.train()
+    counts = np.array([correct, loss, hi - lo], dtype=np.float64)
+    hpcdp.allreduce(counts, op="sum", name="test accuracy")
+    return counts[0] / counts[2], counts[1] / counts[2]
+
+
+# -- reporting ------------------------------------------------------------------------------
+def _report_epoch(job: _Job, epoch: int, totals, acc: float, test_loss: float, t0: float) -> None:
+    from . import checkpoint
+    now = time.perf_counter()
+    job.say(f"epoch {epoch + 1}/{job.args.epochs} loss={totals[0] / totals[1]:.4f} "
+            f"test_acc={acc:.4f} time={now - t0:.2f}s", flush=True)
+    job.log({"epoch": epoch + 1, "train_loss": totals[0] / totals[1], "test_loss": test_loss,
+             "test_acc": acc, "epoch_s": now - t0, "wall_s": now - job.t_start})
+    if job.args.checkpoint:
+        checkpoint.save(job.args.checkpoint, job.model, job.opt, step=job.step, epoch=epoch + 1,
+                        extra={"bucket_layout": job.ddp.reducer.layout_state()},
+                        residuals=job.ddp.reducer.compression_state_dict())
+
+
+def _report_end(job: _Job, acc: float, test_loss: float) -> None:
+    import hpcdp
+    digest = hpcdp.check_replicas(job.model)
+    job.ddp.close_trace()
+    wall = time.perf_counter() - job.t_start
+    job.say(f"done: test_acc={acc:.4f} epochs={job.args.epochs} steps={job.step} "
+            f"params_sha256={digest} wall={wall:.1f}s", flush=True)
+    job.log({"final": True, "test_acc": acc, "test_loss": test_loss, "steps": job.step,
+             "wall_s": wall, "world_size": job.size, "args": vars(job.args)})
+
+
+def _announce(job: _Job) -> None:
+    """The run's one-line summary; a fresh run starts a fresh JSON log (a resumed one appends)."""
+    args = job.args
+    if job.rank == 0 and args.log_json and job.step == 0:
+        open(args.log_json, "w").close()
+    job.say(f"hpcdp.train: model {args.model} ({sum(p.numel() for p in job.model.parameters()):,} "
+            f"parameters), {job.size} ranks x {job.threads} threads on {job.device}, global batch "
+            f"{args.global_batch}, {job.steps} steps/epoch, {args.optimizer} lr {args.lr}", flush=True)
+
+
+# -- the job ---------------------------------------------------------------------------------
+def _setup(args) -> _Job:
+    import hpcdp
+    from . import preempt
+    hpcdp.init()
+    # before anything slow: until the handler is installed, SIGUSR1 kills the rank
+    stop = preempt.PreemptionHandler() if args.checkpoint else None
+    job = _Job(args, hpcdp.rank(), hpcdp.size(), stop)
+    _check_args(args, job.size)
+    _place(job)
+    _load_data(job)
+    _build(job)
     if args.checkpoint:
-        # without compression nothing differs between ranks: resume at any number of ranks;
-        # with it, each rank's residuals (error feedback) come back too (same number of ranks)
-        try:
-            state = checkpoint.load(args.checkpoint, model, opt, missing_ok=True,
-                                    per_rank=compression is not None)
-        except checkpoint.CheckpointError as exc:  # raised on every rank alike
-            return fail(str(exc), 1)
-        if state is not None:
-            extra = state["extra"] or {}
-            if "bucket_layout" in extra:  # the same buckets as before: the same sums
-                ddp.reducer.load_layout_state(extra["bucket_layout"])
-            if state["residuals"]:
-                ddp.reducer.load_compression_state_dict(state["residuals"])
-            step = int(state["step"])
-            if rank == 0 and "epoch_totals" in extra and step % steps:  # stopped mid-epoch
-                carried = np.array(extra["epoch_totals"], dtype=np.float64)
-            say(f"resumed from {args.checkpoint} at step {step} (epoch {step // steps + 1}, "
-                f"step {step % steps + 1} of {steps})", flush=True)
-    if rank == 0 and args.log_json and step == 0:
-        open(args.log_json, "w").close()  # a fresh run starts a fresh log; a resumed one appends
+        _resume(job)
+    return job
 
-    def log(record: dict) -> None:
-        if rank == 0 and args.log_json:
-            with open(args.log_json, "a") as f:
-                f.write(json.dumps(record) + "\n")
 
-    te_lo, te_hi = rank_share(len(x_te), size, rank)
-    bar = _Bar(rank == 0 and (args.progress == "always"
-                              or (args.progress == "auto" and sys.stderr.isatty())))
-    say(f"hpcdp.train: model {args.model} ({sum(p.numel() for p in model.parameters()):,} parameters), "
-        f"{size} ranks x {threads} threads on {device}, global batch {B}, {steps} steps/epoch, "
-        f"{args.optimizer} lr {args.lr}", flush=True)
-
-    def evaluate() -> tuple[float, float]:
-        """Global test accuracy and mean test loss."""
-        ddp.eval()
-        with torch.no_grad():
-            out = ddp(x_te[te_lo:te_hi])
-            correct = (out.argmax(1) == y_te[te_lo:te_hi]).sum().item()
-            loss = torch.nn.functional.cross_entropy(out, y_te[te_lo:te_hi], reduction="sum").item()
-        counts = np.array([correct, loss, te_hi - te_lo], dtype=np.float64)
-        hpcdp.allreduce(counts, op="sum", name="test accuracy")
-        return counts[0] / counts[2], counts[1] / counts[2]
-
-    t_start = time.perf_counter()
-    acc = None
-    for epoch in range(step // steps, args.epochs):
+def _run(job: _Job, on_step) -> None:
+    acc = test_loss = None
+    for epoch in range(job.step // job.steps, job.args.epochs):
         t0 = time.perf_counter()
-        ddp.train()
-        perm = torch.from_numpy(np.random.default_rng([args.seed, epoch]).permutation(n_train))
-        totals = np.zeros(2, dtype=np.float64)  # summed loss, samples
-        if carried is not None:
-            totals, carried = carried, None
-        for i in range(step - epoch * steps, steps):
-            if hook is not None and step == hook[1] and rank == hook[2]:
-                _fire_test_hook(hook[0], step, rank, stop, args.checkpoint)
-            idx = perm[i * B:(i + 1) * B]
-            lo, hi = rank_share(len(idx), size, rank)
-            mine = idx[lo:hi]
-            opt.zero_grad()
-            out = ddp(x_tr[mine])
-            loss_sum = torch.nn.functional.cross_entropy(out, y_tr[mine], reduction="sum")
-            (loss_sum * (size / len(idx))).backward()
-            opt.step()
-            totals += (loss_sum.item(), hi - lo)
-            step += 1
-            bar.update(epoch + 1, args.epochs, i + 1, steps)
-            if stop is not None and stop.should_stop():
-                bar.close()
-                # the epoch's loss so far: the resumed run reports the whole epoch's
-                hpcdp.allreduce(totals, op="sum", name="epoch loss")
-                checkpoint.save(args.checkpoint, model, opt, step=step, epoch=epoch,
-                                extra={"epoch_totals": totals.tolist(),
-                                       "bucket_layout": ddp.reducer.layout_state()},
-                                residuals=ddp.reducer.compression_state_dict())
-                ddp.close_trace()
-                preempt.requeue_exit(f"hpcdp.train: {stop.describe()}: saved {args.checkpoint} "
-                                     f"after step {step}")
-        hpcdp.allreduce(totals, op="sum", name="epoch loss")
-        acc, test_loss = evaluate()
-        bar.close()
-        say(f"epoch {epoch + 1}/{args.epochs} loss={totals[0] / totals[1]:.4f} test_acc={acc:.4f} "
-            f"time={time.perf_counter() - t0:.2f}s", flush=True)
-        log({"epoch": epoch + 1, "train_loss": totals[0] / totals[1], "test_loss": test_loss,
-             "test_acc": acc, "epoch_s": time.perf_counter() - t0,
-             "wall_s": time.perf_counter() - t_start})
-        if args.checkpoint:
-            checkpoint.save(args.checkpoint, model, opt, step=step, epoch=epoch + 1,
-                            extra={"bucket_layout": ddp.reducer.layout_state()},
-                            residuals=ddp.reducer.compression_state_dict())
+        totals = _epoch(job, epoch, on_step)
+        acc, test_loss = _evaluate(job)
+        _report_epoch(job, epoch, totals, acc, test_loss, t0)
     if acc is None:
-        acc, test_loss = evaluate()
-    digest = hpcdp.check_replicas(model)
-    ddp.close_trace()
-    say(f"done: test_acc={acc:.4f} epochs={args.epochs} steps={step} params_sha256={digest} "
-        f"wall={time.perf_counter() - t_start:.1f}s", flush=True)
-    log({"final": True, "test_acc": acc, "test_loss": test_loss, "steps": step,
-         "wall_s": time.perf_counter() - t_start, "world_size": size, "args": vars(args)})
+        acc, test_loss = _evaluate(job)
+    _report_end(job, acc, test_loss)
+
+
+def main(argv=None, on_step=None) -> int:
+    """Run the job (see the module docstring); the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        job = _setup(args)
+        _announce(job)
+        _run(job, on_step)
+    except _JobError as exc:
+        import hpcdp
+        if hpcdp.rank() == 0:
+            print(f"hpcdp.train: error: {exc}", file=sys.stderr, flush=True)
+        return exc.code
     return 0
 
 

@@ -18,9 +18,9 @@ links; see docs/cluster.md).
   rank; a SIGKILLed rank 1 makes rank 0 abort after HPCDP_STALL_TIMEOUT, naming rank 1
   and the bucket it waited for. Both end long before the Slurm time limit.
 
-The known step comes from hpcdp.train's test hook, the environment variable
-HPCDP_TRAIN_TEST_HOOK (``pause:STEP``: rank 0 waits before STEP until it has been
-signalled; ``raise:STEP:RANK``, ``kill:STEP:RANK``). Slurm delays a requeued job's start
+The known step comes from tests/jobs/fault_train.py, which the scripts run instead of
+``python -m hpcdp.train`` (``HPCDP_CMD``) with ``HPCDP_FAULT`` set (``pause:STEP``: rank 0
+waits before STEP until it has been signalled; ``raise:STEP:RANK``, ``kill:STEP:RANK``). Slurm delays a requeued job's start
 by the credential lifetime (~2 min); the tests release it with ``scontrol update
 StartTime=now`` two seconds after the requeue (in the same second, the new launch
 credential counts as revoked and the job dies). Not marked ``mpi``: run them in the
@@ -40,6 +40,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+FAULT_TRAIN = Path(__file__).resolve().parent / "fault_train.py"
 if "hpcdp_cluster_harness" in sys.modules:
     harness = sys.modules["hpcdp_cluster_harness"]
 else:
@@ -134,10 +135,15 @@ def job_env(tmp_path, **extra) -> dict:
         "HPCDP_TRACE_DIR": str(tmp_path / "traces"),
         "HPCDP_BIND": "none",  # the emulated nodes share the same cores
         "HPCDP_LAUNCHER": "srun",
-        "HPCDP_TRAIN_TEST_HOOK": "",
+        "HPCDP_FAULT": "",
     }
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def fault_env(tmp_path, fault: str, **extra) -> dict:
+    """The scripts' settings, running the job through tests/jobs/fault_train.py with ``fault``."""
+    return job_env(tmp_path, HPCDP_CMD=f"python {FAULT_TRAIN}", HPCDP_FAULT=fault, **extra)
 
 
 def done(out: str) -> tuple:
@@ -255,7 +261,7 @@ def test_multinode_mpirun_matches_srun(live, reference, tmp_path):
 def test_preempted_job_requeues_and_resumes_exactly(live, reference, tmp_path, to):
     """to=batch: the signal reaches the batch shell, which forwards it (--signal=B:USR1@T);
     to=ranks: it reaches the ranks directly (--signal=USR1@T)."""
-    env = job_env(tmp_path, HPCDP_ARGS=SHORT, HPCDP_TRAIN_TEST_HOOK=f"pause:{PAUSE_STEP}")
+    env = fault_env(tmp_path, f"pause:{PAUSE_STEP}", HPCDP_ARGS=SHORT)
     ckpt = tmp_path / "ck" / CKPT
     marker = Path(f"{ckpt}.paused")
     job = Background(live, JOBS / "multinode.sbatch", env, timeout=200)
@@ -304,25 +310,25 @@ def test_preempted_job_requeues_and_resumes_exactly(live, reference, tmp_path, t
 
 @pytest.mark.timeout(150)
 def test_exception_on_one_rank_ends_the_job_naming_it(live, tmp_path):
-    env = job_env(tmp_path, HPCDP_TRAIN_TEST_HOOK="raise:5:1")
+    env = fault_env(tmp_path, "raise:5:1")
     t0 = time.monotonic()
     rc, out = live.sbatch_wait(JOBS / "multinode.sbatch", env=env, timeout=120)
     took = time.monotonic() - t0
     assert rc != 0, out
     assert "[hpcdp rank 1/2 on node2] uncaught exception, aborting the job" in out, out
-    assert "RuntimeError: hpcdp.train: HPCDP_TRAIN_TEST_HOOK: injected failure on rank 1 before step 5" in out
+    assert "RuntimeError: HPCDP_FAULT: injected failure on rank 1 before step 5" in out
     assert not DONE.search(out), out
     assert took < 90, f"the job took {took:.0f} s to end:\n{out}"  # its time limit is 1 h
 
 
 @pytest.mark.timeout(150)
 def test_killed_rank_ends_the_job_after_the_stall_timeout(live, tmp_path):
-    env = job_env(tmp_path, HPCDP_TRAIN_TEST_HOOK="kill:5:1", HPCDP_STALL_TIMEOUT=5)
+    env = fault_env(tmp_path, "kill:5:1", HPCDP_STALL_TIMEOUT=5)
     t0 = time.monotonic()
     rc, out = live.sbatch_wait(JOBS / "multinode.sbatch", env=env, timeout=120)
     took = time.monotonic() - t0
     assert rc != 0, out
-    assert "hpcdp.train: HPCDP_TRAIN_TEST_HOOK: rank 1 kills itself (SIGKILL) before step 5" in out, out
+    assert "HPCDP_FAULT: rank 1 kills itself (SIGKILL) before step 5" in out, out
     assert "node2: task 1: Killed" in out, out  # srun names the dead task
     m = re.search(r"^\[hpcdp rank 0/2 on node1\] stall: (.*)$", out, re.M)
     assert m, out
