@@ -5,7 +5,7 @@ Run under the launcher, e.g. ``mpirun -np 4 hpcdp-bench allreduce``. Rank 0
 prints one JSON object per size::
 
     {"bench": "allreduce", "np": 4, "bytes": 16777216, "hpcdp_busbw": ...,
-     "native_busbw": ..., "ratio": ...}
+     "native_busbw": ..., "ratio": ..., "ratio_async": ...}
 
 busbw = 2(n-1)/n * bytes / time (GB/s, 1e9), as nccl-tests define it; ``time`` is
 the median over trials of the slowest rank's time per call. Trials alternate
@@ -62,6 +62,7 @@ def _host_runners(elems, comm, dist, check) -> dict:
     import hpcdp
     buf = np.zeros(elems, dtype=np.float32)  # stays 0: no overflow, no denormals
     runners = {"hpcdp": lambda: hpcdp.allreduce(buf, check=check),
+               "hpcdp_async": lambda: hpcdp.allreduce_async(buf, check=check).wait(),
                "native": lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)}
     if dist is not None:
         import torch
@@ -82,6 +83,10 @@ def _device_runners(elems, rt, comm, dist, check) -> dict:
         hpcdp.allreduce(buf, check=check)
         sync()
 
+    def ours_async():
+        hpcdp.allreduce_async(buf, check=check).wait()
+        sync()
+
     if rt.cuda_aware:
         def native():
             sync()  # MPI reads device memory: the producing stream must be done
@@ -95,7 +100,7 @@ def _device_runners(elems, rt, comm, dist, check) -> dict:
             comm.Allreduce(MPI.IN_PLACE, host_np, op=MPI.SUM)
             buf.copy_(host, non_blocking=True)
             sync()
-    runners = {"hpcdp": ours, "native": native}
+    runners = {"hpcdp": ours, "hpcdp_async": ours_async, "native": native}
     if dist is not None:
         t_buf = torch.zeros(elems, dtype=torch.float32, device=rt.device)
 
@@ -106,7 +111,7 @@ def _device_runners(elems, rt, comm, dist, check) -> dict:
     return runners
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hpcdp-bench allreduce", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="4k,16k,64k,256k,1m,4m,16m,64m,256m",
@@ -119,53 +124,67 @@ def main(argv=None) -> int:
                     help="buffers in host memory (numpy) or on this rank's GPU (torch CUDA tensors)")
     ap.add_argument("--no-check", action="store_true",
                     help="skip hpcdp's cross-rank argument check (what DDP does internally)")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def _measure(comm, runners: dict, args) -> tuple:
+    """``(median seconds per call, iterations per trial)`` of every runner, trials alternating."""
+    iters = {}
+    for name, fn in runners.items():  # calibrate iterations on a warm-up of each
+        fn()
+        one = _time_calls(comm, fn, 1)
+        iters[name] = comm.bcast(max(1, min(1000, int(args.min_time / max(one, 1e-7)))), root=0)
+    times = {name: [] for name in runners}
+    for _ in range(args.trials):
+        for name, fn in runners.items():
+            times[name].append(_time_calls(comm, fn, iters[name]))
+    return {k: statistics.median(v) for k, v in times.items()}, iters
+
+
+def _record(rt, args, nbytes: int, med: dict, iters: dict, check: bool) -> dict:
+    """One JSON line: times, bus bandwidths and ratios (peer time / hpcdp time)."""
+    n = rt.size
+    busbw = (2 * (n - 1) / n if n > 1 else 1.0) * nbytes / 1e9
+    rec = {"bench": "allreduce", "np": n, "bytes": nbytes, "mpi": rt.vendor, "check": check,
+           "device": args.device, "hpcdp_time_s": med["hpcdp"], "native_time_s": med["native"],
+           "hpcdp_async_time_s": med["hpcdp_async"],
+           "hpcdp_busbw": busbw / med["hpcdp"], "native_busbw": busbw / med["native"],
+           "ratio": med["native"] / med["hpcdp"], "ratio_async": med["native"] / med["hpcdp_async"],
+           "trials": args.trials, "iters": iters["hpcdp"]}
+    if args.device == "cuda":
+        rec["native"] = "device" if rt.cuda_aware else "staged"
+        rec["cuda_aware_how"] = rt.cuda_aware_how
+    if "gloo" in med:
+        rec["gloo_time_s"] = med["gloo"]
+        rec["gloo_busbw"] = busbw / med["gloo"]
+        rec["ratio_gloo"] = med["gloo"] / med["hpcdp"]
+    return rec
+
+
+def main(argv=None) -> int:
+    """One JSON line per size from rank 0: hpcdp's blocking call (``hpcdp``), the same
+    allreduce through the generator path (``hpcdp_async``: ``allreduce_async(x).wait()``,
+    what the blocking one-message fast path is measured against), native MPI_Allreduce
+    and, with ``--gloo``, torch's gloo."""
+    args = _parser().parse_args(argv)
     import hpcdp
     hpcdp.init()
     from hpcdp._runtime import runtime
     rt = runtime()
-    comm, n = rt.comm, rt.size
-    dist = gloo_group(rt) if args.gloo else None
-    check = not args.no_check
-    factor = 2 * (n - 1) / n if n > 1 else 1.0
-    cuda = args.device == "cuda"
-    if cuda and not rt.cuda:
+    if args.device == "cuda" and not rt.cuda:
         if rt.rank == 0:
             print("hpcdp-bench allreduce: --device cuda, but this process sees no CUDA device "
                   "(no GPU, or a CPU-only torch build)", file=sys.stderr)
         return 2
-
+    dist = gloo_group(rt) if args.gloo else None
+    check = not args.no_check
     for nbytes in _sizes(args.sizes):
         elems = nbytes // 4
-        runners = _device_runners(elems, rt, comm, dist, check) if cuda \
-            else _host_runners(elems, comm, dist, check)
-        # calibrate iterations on a warm-up of each
-        iters = {}
-        for name, fn in runners.items():
-            fn()
-            one = _time_calls(comm, fn, 1)
-            iters[name] = comm.bcast(max(1, min(1000, int(args.min_time / max(one, 1e-7)))), root=0)
-        times = {name: [] for name in runners}
-        for _ in range(args.trials):
-            for name, fn in runners.items():
-                times[name].append(_time_calls(comm, fn, iters[name]))
+        runners = _device_runners(elems, rt, rt.comm, dist, check) if args.device == "cuda" \
+            else _host_runners(elems, rt.comm, dist, check)
+        med, iters = _measure(rt.comm, runners, args)
         if rt.rank == 0:
-            med = {k: statistics.median(v) for k, v in times.items()}
-            rec = {"bench": "allreduce", "np": n, "bytes": elems * 4, "mpi": rt.vendor,
-                   "check": check, "device": args.device, "hpcdp_time_s": med["hpcdp"], "native_time_s": med["native"],
-                   "hpcdp_busbw": factor * elems * 4 / med["hpcdp"] / 1e9,
-                   "native_busbw": factor * elems * 4 / med["native"] / 1e9,
-                   "ratio": med["native"] / med["hpcdp"],
-                   "trials": args.trials, "iters": iters["hpcdp"]}
-            if cuda:
-                rec["native"] = "device" if rt.cuda_aware else "staged"
-                rec["cuda_aware_how"] = rt.cuda_aware_how
-            if dist is not None:
-                rec["gloo_time_s"] = med["gloo"]
-                rec["gloo_busbw"] = factor * elems * 4 / med["gloo"] / 1e9
-                rec["ratio_gloo"] = med["gloo"] / med["hpcdp"]
-            print(json.dumps(rec), flush=True)
+            print(json.dumps(_record(rt, args, elems * 4, med, iters, check)), flush=True)
     if dist is not None:
         dist.destroy_process_group()
     return 0

@@ -132,8 +132,7 @@ class Engine:
                     self._cv.notify_all()
                 inline = False
             else:
-                self._running = h
-                self._started(h)
+                self._take(h)
                 inline = True
         if not inline:
             return h.wait()
@@ -146,10 +145,7 @@ class Engine:
                 self._failed(h, exc)
             h.t_end = time.perf_counter_ns()
         with self._lock:
-            self._running = None
-            self._finish(h)
-            if self._queue:  # submitted meanwhile: the thread waits for the engine to be free
-                self._cv.notify_all()
+            self._release(h)  # (the thread may wait for the engine to be free)
         if h._error is not None:
             raise h._error
         return h.result
@@ -185,50 +181,50 @@ class Engine:
             f"rank {self.comm.Get_rank()}: {h.name} failed: {exc!r}")
         h._error.__cause__ = exc
 
-    def _started(self, h: Handle):
+    # -- the running operation (all three with the lock held) -------------------------
+    def _take(self, h: Handle):
+        """``h`` becomes the running operation."""
+        self._running = h
         h.t_start = time.perf_counter_ns()
         self.last_progress = monotonic()
 
-    def _finish(self, h: Handle):
+    def _release(self, h: Handle):
+        """``h`` is done: the engine is free, its waiters and the progress thread are told."""
+        self._running = None
         h._done = True
         if h._event is not None:
             h._event.set()
+        self._cv.notify_all()
+
+    def _advance(self, block: bool) -> bool:
+        """Start the next queued operation if none runs and advance the running one;
+        True when it finished."""
+        if self._running is None:
+            self._take(self._queue.popleft())
+        h = self._running
+        if not self._step(h, block):
+            return False
+        self._release(h)
+        return True
 
     def progress(self) -> None:
         """Advance queued operations without blocking (poll mode; harmless otherwise)."""
         if self.mode == "thread":
             return
         with self._lock:
-            while True:
-                if self._running is None:
-                    if not self._queue:
-                        return
-                    self._running = self._queue.popleft()
-                    self._started(self._running)
-                h = self._running
-                if not self._step(h, block=False):
-                    return
-                self._running = None
-                self._finish(h)
+            while (self._running is not None or self._queue) and self._advance(block=False):
+                pass
 
     def _wait_for(self, target: Handle):
         if self.mode == "poll":
             with self._lock:
                 while not target._done:
-                    if self._running is None:
-                        self._running = self._queue.popleft()
-                        self._started(self._running)
-                    h = self._running
-                    self._step(h, block=True)
-                    self._running = None
-                    self._finish(h)
+                    self._advance(block=True)
             return
         with self._cv:
             # Nothing ahead of it and the thread is idle: run it inline.
             if self._running is None and self._queue and self._queue[0] is target:
-                self._queue.popleft()
-                self._running = target
-                self._started(target)
+                self._take(self._queue.popleft())
                 inline = True
             else:
                 inline = False
@@ -240,9 +236,7 @@ class Engine:
         if inline:
             self._step(target, block=True)
             with self._cv:
-                self._running = None
-                self._finish(target)
-                self._cv.notify_all()
+                self._release(target)
             return
         try:
             target._event.wait()
@@ -265,13 +259,10 @@ class Engine:
                 if self._closed and not self._queue:
                     return
                 h = self._queue.popleft()
-                self._running = h
-                self._started(h)
+                self._take(h)
             self._drive_backoff(h, MPI)
             with self._cv:
-                self._running = None
-                self._finish(h)
-                self._cv.notify_all()
+                self._release(h)
 
     def _drive_backoff(self, h: Handle, MPI):
         """Drive ``h`` to completion: Waitall when a caller waits, else test with back-off."""

@@ -22,8 +22,8 @@ straight into place and forwards each segment as it arrives.
 
 :func:`ring_allreduce_blocking` is the same schedule for a blocking call whose
 chunks fit one message each: one exchange per step, no requests and no
-generator round trips (``hpcdp-bench allreduce`` times both: ``hpcdp_us`` and
-``hpcdp_async_us``).
+generator round trips (``hpcdp-bench allreduce`` times both: ``hpcdp_time_s``, the
+blocking call, and ``hpcdp_async_time_s``, the same allreduce through the generator).
 """
 from __future__ import annotations
 
