@@ -240,33 +240,30 @@ def _ratios(num, den, paired: bool, key: str, out: dict, attr: str = "step_times
         out["paired_" + key] = statistics.median(x / y for x, y in zip(a, b))
 
 
-def _bench_model(model_name, variants, compressions, args, rt, comms) -> bool:
-    import hpcdp
-    from ..torch.zoo import MODELS, rank_share, synthetic_batches
-    steps, warmup = _DEFAULT_STEPS.get(model_name, (10, 2))
-    steps = args.steps or steps
-    warmup = warmup if args.warmup < 0 else args.warmup
-    rounds = steps if args.rounds <= 0 else max(1, min(args.rounds, steps))
-    B, size, rank = args.global_batch, rt.size, rt.rank
-    batches = synthetic_batches(4, B, seed=42, features=MODELS[model_name][0])
-    lo, hi = rank_share(B, size, rank)
-    batches = [(x.to(comms["device"]), y.to(comms["device"])) for x, y in batches]
-    local = [(x[lo:hi], y[lo:hi]) for x, y in batches]
-    ctl = comms["native"]
-    try:
-        runners = [_Runner(v, model_name, args, rt, comms) for v in variants]
-    except ValueError as exc:  # the wrapper's argument errors: raised on every rank alike
-        if rank == 0:
-            print(f"hpcdp-bench train: {exc}", file=sys.stderr)
-        return False
+class _Bench:
+    """One model's timing run: its schedule, its data and the control communicator."""
 
-    def run(r, n, record):
-        if r.mode == "single" and rank != 0:
-            _sleep_until_all_arrive(ctl)
+    def __init__(self, model_name, args, rt, comms):
+        from ..torch.zoo import MODELS, rank_share, synthetic_batches
+        steps, warmup = _DEFAULT_STEPS.get(model_name, (10, 2))
+        self.model_name, self.args, self.rt, self.ctl = model_name, args, rt, comms["native"]
+        self.steps = args.steps or steps
+        self.warmup = warmup if args.warmup < 0 else args.warmup
+        self.rounds = self.steps if args.rounds <= 0 else max(1, min(args.rounds, self.steps))
+        self.B, self.size, self.rank = args.global_batch, rt.size, rt.rank
+        batches = synthetic_batches(4, self.B, seed=42, features=MODELS[model_name][0])
+        lo, hi = rank_share(self.B, self.size, self.rank)
+        self.batches = [(x.to(comms["device"]), y.to(comms["device"])) for x, y in batches]
+        self.local = [(x[lo:hi], y[lo:hi]) for x, y in self.batches]
+
+    def run(self, r, n: int, record: bool) -> None:
+        """``n`` steps of runner ``r`` (single: rank 0 alone, the others sleep meanwhile)."""
+        if r.mode == "single" and self.rank != 0:
+            _sleep_until_all_arrive(self.ctl)
             return
-        data, scale = (batches, 1.0) if r.mode == "single" else (local, size / B)
+        data, scale = (self.batches, 1.0) if r.mode == "single" else (self.local, self.size / self.B)
         if r.mode != "single":
-            ctl.Barrier()
+            self.ctl.Barrier()
         for _ in range(n):
             x, y = data[r.counter % len(data)]
             r.counter += 1
@@ -277,106 +274,150 @@ def _bench_model(model_name, variants, compressions, args, rt, comms) -> bool:
                 r.times.append(dt)
                 r.exposed.append(exposed)
         if r.mode == "single":
-            _sleep_until_all_arrive(ctl)
+            _sleep_until_all_arrive(self.ctl)
 
-    for r in runners:
-        run(r, warmup, record=False)
-        r.bytes_before = r.bytes_sent()
-    per_round = [steps // rounds + (1 if i < steps % rounds else 0) for i in range(rounds)]
-    for k, n in enumerate(per_round):  # every other round backwards: no mode always goes first
-        for r in (runners if k % 2 == 0 else runners[::-1]):
-            run(r, n, record=True)
+    def run_all(self, runners) -> None:
+        """Warm-up, then the timed steps interleaved over the modes, every other round
+        backwards (no mode always goes first)."""
+        for r in runners:
+            self.run(r, self.warmup, record=False)
+            r.bytes_before = r.bytes_sent()
+        steps, rounds = self.steps, self.rounds
+        per_round = [steps // rounds + (1 if i < steps % rounds else 0) for i in range(rounds)]
+        for k, n in enumerate(per_round):
+            for r in (runners if k % 2 == 0 else runners[::-1]):
+                self.run(r, n, record=True)
+
+    def gather(self, r) -> None:
+        """Per step, the slowest rank's time and exposed communication (single: rank 0's)."""
+        steps = self.steps
+        mine = (r.times, r.exposed) if r.active else ([0.0] * steps, [0.0] * steps)
+        everyone = self.ctl.allgather(mine)
+        r.step_times = [max(ts[i] for ts, _ in everyone) for i in range(steps)]
+        r.exposed_times = [max(ex[i] for _, ex in everyone) for i in range(steps)]
+
+    def record(self, r, after) -> dict:
+        med = statistics.median(r.step_times)
+        rec = {"bench": "train", "model": self.model_name, "mode": r.mode,
+               "np": 1 if r.mode == "single" else self.size, "global_batch": self.B,
+               "compression": r.compression, "step_time_s": med, "samples_per_s": self.B / med,
+               "bytes_sent_per_step": None if after is None else (after - r.bytes_before) / self.steps,
+               "exposed_comm_s": statistics.median(r.exposed_times),
+               "step_time_min_s": min(r.step_times), "step_time_max_s": max(r.step_times),
+               "steps": self.steps, "warmup": self.warmup, "rounds": self.rounds,
+               "threads": self.args.threads, "mpi": self.rt.vendor, "device": str(r.device)}
+        if r.bucket_mb is not None:
+            rec["bucket_cap_mb"] = r.bucket_mb
+            rec["overlap"] = r.overlap
+            rec["gradient_as_bucket_view"] = r.as_view
+        return rec
+
+    def summary(self, runners, compressions) -> dict:
+        """hpcdp (first compressor) over each peer, each further compressor over the first,
+        traced over untraced; ``paired_`` ratios where step i of every mode ran in round i."""
+        c0, args = compressions[0], self.args
+        ref = {(r.mode, r.compression): r for r in runners if r.bucket_mb in (None, args.bucket_mb)}
+        out = {"bench": "train-summary", "model": self.model_name, "np": self.size,
+               "global_batch": self.B}
+        paired = self.rounds == self.steps
+        hp = ref.get(("hpcdp", c0))
+        if hp is None:
+            return out
+        out["hpcdp_compression"] = c0
+        for peer in ("single", "naive", "ddp", "hpcdp-sync", "hpcdp-copy"):
+            other = ref.get((peer, c0 if peer in _HPCDP_MODES else None))
+            if other is not None:
+                _ratios(hp, other, paired, f"hpcdp_over_{peer}", out)
+                if peer in ("naive", "ddp", "hpcdp-sync"):
+                    _ratios(hp, other, False, f"exposed_hpcdp_over_{peer}", out, "exposed_times")
+        traced = ref.get(("hpcdp-trace", c0))
+        if traced is not None:  # the tracing overhead: traced over untraced
+            _ratios(traced, hp, paired, "hpcdp-trace_over_hpcdp", out)
+        for c in compressions[1:]:
+            if ("hpcdp", c) in ref:
+                _ratios(ref[("hpcdp", c)], hp, paired, f"hpcdp_{c or 'none'}_over_hpcdp_{c0 or 'none'}",
+                        out)
+        return out
+
+
+def _bench_model(model_name, variants, compressions, args, rt, comms) -> bool:
+    """Time every variant on ``model_name``; rank 0 prints a record per variant and a summary."""
+    import hpcdp
+    bench = _Bench(model_name, args, rt, comms)
+    try:
+        runners = [_Runner(v, model_name, args, rt, comms) for v in variants]
+    except ValueError as exc:  # the wrapper's argument errors: raised on every rank alike
+        if rt.rank == 0:
+            print(f"hpcdp-bench train: {exc}", file=sys.stderr)
+        return False
+    bench.run_all(runners)
     for r in runners:  # every multi-rank mode must have kept its replicas identical
         if r.mode != "single":
             hpcdp.check_replicas(r.model)
         if r.ddp is not None:
             r.ddp.close_trace()
-    for r in runners:  # per step, the slowest rank (single: rank 0 only)
-        mine = (r.times, r.exposed) if r.active else ([0.0] * steps, [0.0] * steps)
-        everyone = ctl.allgather(mine)
-        r.step_times = [max(ts[i] for ts, _ in everyone) for i in range(steps)]
-        r.exposed_times = [max(ex[i] for _, ex in everyone) for i in range(steps)]
+    for r in runners:
+        bench.gather(r)
         after = r.bytes_sent()
-        if rank == 0:
-            med = statistics.median(r.step_times)
-            rec = {"bench": "train", "model": model_name, "mode": r.mode,
-                   "np": 1 if r.mode == "single" else size, "global_batch": B,
-                   "compression": r.compression, "step_time_s": med, "samples_per_s": B / med,
-                   "bytes_sent_per_step": None if after is None else (after - r.bytes_before) / steps,
-                   "exposed_comm_s": statistics.median(r.exposed_times),
-                   "step_time_min_s": min(r.step_times), "step_time_max_s": max(r.step_times),
-                   "steps": steps, "warmup": warmup, "rounds": rounds, "threads": args.threads,
-                   "mpi": rt.vendor, "device": str(comms["device"])}
-            if r.bucket_mb is not None:
-                rec["bucket_cap_mb"] = r.bucket_mb
-                rec["overlap"] = r.overlap
-                rec["gradient_as_bucket_view"] = r.as_view
-            print(json.dumps(rec), flush=True)
-    if rank == 0:
-        c0 = compressions[0]
-        ref = {(r.mode, r.compression): r for r in runners if r.bucket_mb in (None, args.bucket_mb)}
-        summary = {"bench": "train-summary", "model": model_name, "np": size, "global_batch": B}
-        paired = rounds == steps  # step i of every mode ran in round i
-        hp = ref.get(("hpcdp", c0))
-        if hp is not None:
-            summary["hpcdp_compression"] = c0
-            for peer in ("single", "naive", "ddp", "hpcdp-sync", "hpcdp-copy"):
-                other = ref.get((peer, c0 if peer in _HPCDP_MODES else None))
-                if other is not None:
-                    _ratios(hp, other, paired, f"hpcdp_over_{peer}", summary)
-                    if peer in ("naive", "ddp", "hpcdp-sync"):
-                        _ratios(hp, other, False, f"exposed_hpcdp_over_{peer}", summary, "exposed_times")
-            traced = ref.get(("hpcdp-trace", c0))
-            if traced is not None:  # the tracing overhead: traced over untraced
-                _ratios(traced, hp, paired, "hpcdp-trace_over_hpcdp", summary)
-            for c in compressions[1:]:
-                if ("hpcdp", c) in ref:
-                    _ratios(ref[("hpcdp", c)], hp, paired,
-                            f"hpcdp_{c or 'none'}_over_hpcdp_{c0 or 'none'}", summary)
-        print(json.dumps(summary), flush=True)
+        if rt.rank == 0:
+            print(json.dumps(bench.record(r, after)), flush=True)
+    if rt.rank == 0:
+        print(json.dumps(bench.summary(runners, compressions)), flush=True)
     return True
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def _lists(args):
+    """``(models, modes, compressions, bucket sweep)`` from the comma-separated options, or
+    an error message."""
     from ..compress.registry import COMPRESSOR_NAMES
     from ..torch.zoo import MODELS
-    models = _csv(args.model)
-    modes = _csv(args.modes)
+    models, modes = _csv(args.model), _csv(args.modes)
     comp_names = _csv(args.compression) or ["none"]
     bad = [m for m in models if m not in MODELS] + [m for m in modes if m not in _MODES]
     if bad:
-        print(f"hpcdp-bench train: unknown model or mode: {', '.join(bad)}", file=sys.stderr)
-        return 2
-    bad = [c for c in comp_names if c not in COMPRESSOR_NAMES]
-    if bad or len(set(comp_names)) != len(comp_names):
-        print(f"hpcdp-bench train: --compression takes distinct names from {', '.join(COMPRESSOR_NAMES)}, "
-              f"got {args.compression!r}", file=sys.stderr)
-        return 2
-    compressions = [None if c == "none" else c for c in comp_names]
+        return f"unknown model or mode: {', '.join(bad)}"
+    if any(c not in COMPRESSOR_NAMES for c in comp_names) or len(set(comp_names)) != len(comp_names):
+        return (f"--compression takes distinct names from {', '.join(COMPRESSOR_NAMES)}, "
+                f"got {args.compression!r}")
     try:
         sweep = [float(v) for v in _csv(args.bucket_sweep)]
     except ValueError:
-        print(f"hpcdp-bench train: --bucket-sweep must be numbers, got {args.bucket_sweep!r}",
-              file=sys.stderr)
-        return 2
+        return f"--bucket-sweep must be numbers, got {args.bucket_sweep!r}"
+    return models, modes, [None if c == "none" else c for c in comp_names], sweep
+
+
+def _runtime_for(args):
+    """hpcdp's runtime, or an error message (rank 0 prints it)."""
     import torch
 
     import hpcdp
     from hpcdp._runtime import runtime
-
-    from ._gloo import gloo_group
     torch.set_num_threads(args.threads)
     hpcdp.init()
     rt = runtime()
     if args.global_batch < rt.size:
-        print(f"hpcdp-bench train: --global-batch {args.global_batch} < {rt.size} ranks", file=sys.stderr)
-        return 2
+        return rt, f"--global-batch {args.global_batch} < {rt.size} ranks"
     if args.device == "cuda" and not rt.cuda:
-        if rt.rank == 0:
-            print("hpcdp-bench train: --device cuda, but this process sees no CUDA device "
-                  "(no GPU, or a CPU-only torch build)", file=sys.stderr)
+        return rt, ("--device cuda, but this process sees no CUDA device (no GPU, or a CPU-only "
+                    "torch build)")
+    return rt, None
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    lists = _lists(args)
+    if isinstance(lists, str):
+        print(f"hpcdp-bench train: {lists}", file=sys.stderr)
         return 2
+    models, modes, compressions, sweep = lists
+    rt, error = _runtime_for(args)
+    if error is not None:
+        if rt.rank == 0:
+            print(f"hpcdp-bench train: {error}", file=sys.stderr)
+        return 2
+    import torch
+
+    from ._gloo import gloo_group
     native = rt.comm.Dup()
     trace_dir = args.trace_dir
     if "hpcdp-trace" in modes and trace_dir is None:
@@ -385,17 +426,21 @@ def main(argv=None) -> int:
              "device": torch.device(rt.device if args.device == "cuda" else "cpu")}
     variants = _variants(modes, compressions, args.bucket_mb, sweep)
     try:
-        ok = all(_bench_model(model_name, variants, compressions, args, rt, comms) for model_name in models)
+        ok = all(_bench_model(m, variants, compressions, args, rt, comms) for m in models)
     finally:
         if trace_dir is not None and args.trace_dir is None:
             native.Barrier()
             if rt.rank == 0:
                 shutil.rmtree(trace_dir, ignore_errors=True)
+    _close(native)
+    return 0 if ok else 2
+
+
+def _close(native) -> None:
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
     native.Free()
-    return 0 if ok else 2
 
 
 if __name__ == "__main__":

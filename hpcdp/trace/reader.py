@@ -258,36 +258,53 @@ def _to_rank0(t: np.ndarray, clock: np.ndarray) -> np.ndarray:
 
 
 def _check_rank(r: RankTrace) -> list[str]:
-    out: list[str] = []
+    """Everything wrong with one rank's events: times, steps, their order, the buckets."""
     who = f"rank {r.rank}"
     ev = r.events
     bad = ev[ev["t1"] < ev["t0"]]
-    out += [f"{who} step {e['step']}: {EventKind(e['kind']).name} ends before it starts" for e in bad[:20]]
+    out = [f"{who} step {e['step']}: {EventKind(e['kind']).name} ends before it starts" for e in bad[:20]]
+    steps, unique = _check_steps(r, who)
+    out += steps
+    if not unique:
+        return out  # containment and the rest need one STEP per id
+    return out + _check_containment(r, who) + _check_order(r, who) + _check_buckets(r, who)
 
+
+def _check_steps(r: RankTrace, who: str) -> tuple:
+    """STEP events ascend and do not overlap; ``(messages, one STEP per id)``."""
+    out = []
     steps = r.of_kind(EventKind.STEP)  # sorted by t0
     ids = steps["step"].astype(np.int64)
     for i in np.flatnonzero(np.diff(ids) <= 0)[:20]:
         out.append(f"{who}: step {ids[i + 1]} follows step {ids[i]} (steps must ascend)")
     for i in np.flatnonzero(steps["t1"][:-1] > steps["t0"][1:])[:20]:
         out.append(f"{who}: steps {ids[i]} and {ids[i + 1]} overlap in time")
-    if len(np.unique(ids)) != len(ids):
-        return out  # containment below needs one STEP per id
+    return out, len(np.unique(ids)) == len(ids)
+
+
+def _check_containment(r: RankTrace, who: str) -> list[str]:
+    """Every other event lies inside the STEP of its step (later ones: not finished yet)."""
+    steps = r.of_kind(EventKind.STEP)
+    ids = steps["step"].astype(np.int64)
     order = np.argsort(ids)
     sids, s0, s1 = ids[order], steps["t0"][order], steps["t1"][order]
     last = sids[-1] if len(sids) else -1
-
-    inner = ev[ev["kind"] != EventKind.STEP]
+    inner = r.events[r.events["kind"] != EventKind.STEP]
     pos = np.searchsorted(sids, inner["step"])
     found = pos < len(sids)
     found[found] = sids[pos[found]] == inner["step"][found]
     orphan = inner[~found & (inner["step"] <= last)]  # later steps: not finished when flushed
-    out += [f"{who} step {e['step']}: {EventKind(e['kind']).name} has no STEP event" for e in orphan[:20]]
+    out = [f"{who} step {e['step']}: {EventKind(e['kind']).name} has no STEP event" for e in orphan[:20]]
     inn, p = inner[found], pos[found]
     outside = inn[(inn["t0"] < s0[p]) | (inn["t1"] > s1[p])]
-    out += [f"{who} step {e['step']}: {EventKind(e['kind']).name} lies outside its step"
-            for e in outside[:20]]
+    return out + [f"{who} step {e['step']}: {EventKind(e['kind']).name} lies outside its step"
+                  for e in outside[:20]]
 
-    comp = ev[np.isin(ev["kind"], _COMPUTE_KINDS)]
+
+def _check_order(r: RankTrace, who: str) -> list[str]:
+    """Compute events do not overlap; backward, exposed wait and optimizer come in order."""
+    out = []
+    comp = r.events[np.isin(r.events["kind"], _COMPUTE_KINDS)]
     for i in np.flatnonzero(comp["t1"][:-1] > comp["t0"][1:])[:20]:
         a, b = comp[i], comp[i + 1]
         out.append(f"{who} step {b['step']}: {EventKind(b['kind']).name} starts before "
@@ -301,9 +318,14 @@ def _check_rank(r: RankTrace) -> list[str]:
         ok[ok] = a["step"][ia[ok]] == b["step"][ok]
         late = b[ok][b["t0"][ok] < a["t1"][ia[ok]]]
         out += [f"{who} step {e['step']}: {after.name} starts before {before.name} ends" for e in late[:20]]
+    return out
 
+
+def _check_buckets(r: RankTrace, who: str) -> list[str]:
+    """Bucket transfers: in the layout, one per step, after the bucket is ready, around
+    their ring steps."""
     comm = r.of_kind(EventKind.BUCKET_COMM)
-    nb = len(r.buckets)
+    nb, out = len(r.buckets), []
     if nb:
         wrong = comm[(comm["bucket"] < 0) | (comm["bucket"] >= nb)]
         out += [f"{who} step {e['step']}: bucket {e['bucket']} not in the layout of {nb} buckets"
@@ -315,18 +337,16 @@ def _check_rank(r: RankTrace) -> list[str]:
         out.append(f"{who} step {comm['step'][i]}: bucket {comm['bucket'][i]} has several transfers")
     ready, ring = r.of_kind(EventKind.BUCKET_READY), r.of_kind(EventKind.RING_STEP)
     if not len(comm):
-        out += [f"{who} step {e['step']}: ring step {e['index']} of bucket {e['bucket']} has no "
-                "bucket transfer" for e in ring[:20]]
-        return out
+        return out + [f"{who} step {e['step']}: ring step {e['index']} of bucket {e['bucket']} has no "
+                      "bucket transfer" for e in ring[:20]]
     i = np.minimum(np.searchsorted(key, _bucket_key(ready)), len(key) - 1)
     late = ready[(key[i] == _bucket_key(ready)) & (ready["t0"] > comm["t0"][i])]
     out += [f"{who} step {e['step']}: bucket {e['bucket']} transfer starts before it is ready"
             for e in late[:20]]
     i = np.minimum(np.searchsorted(key, _bucket_key(ring)), len(key) - 1)
     stray = ring[(key[i] != _bucket_key(ring)) | (ring["t0"] < comm["t0"][i]) | (ring["t1"] > comm["t1"][i])]
-    out += [f"{who} step {e['step']}: ring step {e['index']} of bucket {e['bucket']} lies outside "
-            "the bucket's transfer" for e in stray[:20]]
-    return out
+    return out + [f"{who} step {e['step']}: ring step {e['index']} of bucket {e['bucket']} lies outside "
+                  "the bucket's transfer" for e in stray[:20]]
 
 
 def _bucket_key(ev: np.ndarray) -> np.ndarray:

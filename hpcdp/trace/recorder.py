@@ -57,6 +57,17 @@ def _json_default(obj):
     raise TypeError(f"{type(obj).__name__} is not JSON-serializable")
 
 
+def _check_settings(rank, world_size, level, flush_every, flush_interval, capacity) -> None:
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    if level not in (1, 2):
+        raise ValueError(f"level must be 1 or 2, got {level}")
+    if flush_every < 1 or capacity < 1:
+        raise ValueError(f"flush_every and capacity must be >= 1, got {flush_every}, {capacity}")
+    if flush_interval < 0:
+        raise ValueError(f"flush_interval must be >= 0, got {flush_interval}")
+
+
 class Recorder:
     """Records one rank's events into ``directory/rankNNNNN.h5``.
 
@@ -84,14 +95,7 @@ class Recorder:
     def __init__(self, directory: str | os.PathLike, rank: int, world_size: int, *,
                  run_id: str | None = None, level: int = 1, flush_every: int = 10,
                  flush_interval: float = 1.0, capacity: int = 65536):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-        if level not in (1, 2):
-            raise ValueError(f"level must be 1 or 2, got {level}")
-        if flush_every < 1 or capacity < 1:
-            raise ValueError(f"flush_every and capacity must be >= 1, got {flush_every}, {capacity}")
-        if flush_interval < 0:
-            raise ValueError(f"flush_interval must be >= 0, got {flush_interval}")
+        _check_settings(rank, world_size, level, flush_every, flush_interval, capacity)
         self.rank, self.world_size, self.level = rank, world_size, level
         self.flush_every = flush_every
         self._interval_ns = int(flush_interval * 1e9)
@@ -115,6 +119,11 @@ class Recorder:
         self._buckets = np.zeros(0, dtype=BUCKET_DTYPE)
         self._buckets_dirty = False
         self._closed = False
+        self._create(directory, flush_interval)
+        self.flush()
+
+    def _create(self, directory, flush_interval: float) -> None:
+        """The file, its root attributes and its datasets; then SWMR mode."""
         try:
             os.makedirs(os.fspath(directory), exist_ok=True)
             self._file = h5py.File(self.path, "w", libver=("v110", "latest"), locking="best-effort")
@@ -123,8 +132,9 @@ class Recorder:
         f = self._file
         f.attrs.update({
             "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": self.run_id,
-            "rank": rank, "world_size": world_size, "level": level, "flush_every": flush_every,
-            "flush_interval": flush_interval, "hostname": socket.gethostname(), "pid": os.getpid(),
+            "rank": self.rank, "world_size": self.world_size, "level": self.level,
+            "flush_every": self.flush_every, "flush_interval": flush_interval,
+            "hostname": socket.gethostname(), "pid": os.getpid(),
             "created_unix_ns": time.time_ns(), "created_perf_ns": time.perf_counter_ns(),
             "event_kinds": [k.name for k in EventKind],
             "hpcdp_version": _hpcdp_version(), "h5py_version": h5py.version.version,
@@ -142,7 +152,6 @@ class Recorder:
         self._commit = f.create_dataset("commit", data=np.zeros(len(COMMIT_FIELDS), dtype=np.int64))
         self._commit.attrs["fields"] = list(COMMIT_FIELDS)
         f.swmr_mode = True  # from here on: no new objects or attributes, always readable
-        self.flush()
 
     # ---- hot path -------------------------------------------------------------
     def _slot(self) -> int:
@@ -403,36 +412,59 @@ def open_recorder(comm, path: str | os.PathLike | None = None, *, level: int | N
     """
     if path is None:
         path = os.environ.get("HPCDP_TRACE") or None
-    rank, size = comm.Get_rank(), comm.Get_size()
+    _same_directory(comm, path)
+    if path is None:
+        return NullRecorder()
+    run_id = _prepare_directory(comm, path)
+    rec = _open_everywhere(comm, path, run_id, level, flush_every, flush_interval)
+    rec.add_clock(align_clocks(comm, rounds=rounds))
+    import mpi4py  # the caller already runs MPI; imported here, not at module import
+    from mpi4py import MPI
+    rec.set_meta(mpi_version=".".join(map(str, MPI.Get_version())),
+                 mpi_library=MPI.Get_library_version().strip(), mpi4py_version=mpi4py.__version__)
+    return rec
+
+
+def _same_directory(comm, path) -> None:
+    """Collective: every rank names the same directory (or none), else TraceError on all."""
     wanted = comm.allgather(None if path is None else os.path.abspath(path))
     if len(set(wanted)) > 1:
         diff = next(r for r, p in enumerate(wanted) if p != wanted[0])
         raise TraceError(f"ranks disagree on the trace directory: rank 0 has {wanted[0]!r}, "
                          f"rank {diff} has {wanted[diff]!r}")
-    if path is None:
-        return NullRecorder()
+
+
+def _prepare_directory(comm, path) -> str:
+    """Collective: rank 0 creates ``path`` and removes rank files beyond this world size;
+    returns the run id (rank 0's), or raises rank 0's error on every rank."""
     error = None
-    if rank == 0:
+    if comm.Get_rank() == 0:
         try:
             os.makedirs(path, exist_ok=True)
             for name in os.listdir(path):
                 r = parse_rank_filename(name)
-                if r is not None and r >= size:
+                if r is not None and r >= comm.Get_size():
                     os.remove(os.path.join(path, name))
         except OSError as e:
             error = f"{path}: cannot prepare the trace directory: {e}"
-    run_id, error = comm.bcast((uuid.uuid4().hex, error) if rank == 0 else None, root=0)
+    run_id, error = comm.bcast((uuid.uuid4().hex, error) if comm.Get_rank() == 0 else None, root=0)
     if error:
         raise TraceError(error)
-    rec = error = None
-    try:  # every error below is raised on every rank, so none is left waiting in a collective
+    return run_id
+
+
+def _open_everywhere(comm, path, run_id, level, flush_every, flush_interval) -> Recorder:
+    """Collective: every rank's recorder; any rank's error is raised on every rank, so none
+    is left waiting in a collective."""
+    rank, rec, error = comm.Get_rank(), None, None
+    try:
         if level is None:
             env = os.environ.get("HPCDP_TRACE_LEVEL", "1")
             if env not in ("1", "2"):
                 raise ValueError(f"HPCDP_TRACE_LEVEL must be 1 or 2, got {env!r}")
             level = int(env)
-        rec = Recorder(path, rank, size, run_id=run_id, level=level, flush_every=flush_every,
-                       flush_interval=flush_interval)
+        rec = Recorder(path, rank, comm.Get_size(), run_id=run_id, level=level,
+                       flush_every=flush_every, flush_interval=flush_interval)
     except (TraceError, ValueError) as e:
         error = f"rank {rank}: {e}"
     errors = [e for e in comm.allgather(error) if e]
@@ -441,9 +473,4 @@ def open_recorder(comm, path: str | os.PathLike | None = None, *, level: int | N
             rec.close()
         more = f" (and {len(errors) - 3} more ranks)" if len(errors) > 3 else ""
         raise TraceError("; ".join(errors[:3]) + more)
-    rec.add_clock(align_clocks(comm, rounds=rounds))
-    import mpi4py  # the caller already runs MPI; imported here, not at module import
-    from mpi4py import MPI
-    rec.set_meta(mpi_version=".".join(map(str, MPI.Get_version())),
-                 mpi_library=MPI.Get_library_version().strip(), mpi4py_version=mpi4py.__version__)
     return rec

@@ -125,36 +125,52 @@ def summarize(trace: Trace, skip: int = 0) -> Summary:
     phases = {p: np.full((nr, ns), np.nan) for p in PHASES}
     volumes = {v: np.full((nr, ns), np.nan) for v in VOLUMES}
     ends = np.full((nr, ns), np.nan)
-    comms = []
-    for i, r in enumerate(trace.ranks):
-        ev = r.events
-        col = np.searchsorted(steps, ev["step"])
-        inside = col < ns
-        inside[inside] = steps[col[inside]] == ev["step"][inside]
-        ev, col = ev[inside], col[inside]
-        st = ev["kind"] == EventKind.STEP
-        has = np.zeros(ns, bool)
-        has[col[st]] = True
-        phases["step"][i, col[st]] = ev["t1"][st] - ev["t0"][st]
-        ends[i, col[st]] = ev["t1"][st] - trace.origin_ns  # small numbers: exact in float64
-
-        def per_step(mask, weights):
-            total = np.bincount(col[mask], weights=weights, minlength=ns).astype(np.float64)
-            return np.where(has, total, np.nan)
-
-        dur = (ev["t1"] - ev["t0"]).astype(np.float64)
-        for name, kind in _PHASE_KINDS.items():
-            m = ev["kind"] == kind
-            phases[name][i] = per_step(m, dur[m])
-        c = ev["kind"] == EventKind.BUCKET_COMM
-        phases["communication"][i] = per_step(c, _union_parts(ev["t0"][c], ev["t1"][c]))
-        for name, fld in (("payload", "nbytes"), ("bytes_sent", "bytes_sent"), ("bytes_recv", "bytes_recv")):
-            volumes[name][i] = per_step(c, ev[fld][c].astype(np.float64))
-        comms.append(ev[c])
+    comms = [_rank_figures(trace, r, i, steps, phases, volumes, ends) for i, r in enumerate(trace.ranks)]
     phases["compute"] = phases["forward"] + phases["backward"] + phases["optimizer"]
     phases["other"] = (phases["step"] - phases["forward"] - phases["backward"] - phases["exposed"]
                        - phases["optimizer"])
+    slowest, lag = _stragglers(trace, ends)
+    layout = trace.buckets["nbytes"]
+    return Summary(path=trace.path, world_size=trace.world_size, ranks=np.asarray(trace.rank_ids),
+                   hostnames=[r.hostname for r in trace.ranks], steps=steps, skipped=skip,
+                   phases=phases, volumes=volumes,
+                   buckets=_bucket_figures(np.concatenate(comms), layout, trace.world_size),
+                   slowest_rank=slowest, lag_ns=lag, model_bytes=int(layout.sum()), meta=trace.meta)
 
+
+def _rank_figures(trace: Trace, r, i: int, steps, phases, volumes, ends) -> np.ndarray:
+    """Fill row ``i`` of ``phases``, ``volumes`` and ``ends`` from rank ``r``'s events of
+    ``steps``; return its BUCKET_COMM events."""
+    ns = len(steps)
+    ev = r.events
+    col = np.searchsorted(steps, ev["step"])
+    inside = col < ns
+    inside[inside] = steps[col[inside]] == ev["step"][inside]
+    ev, col = ev[inside], col[inside]
+    st = ev["kind"] == EventKind.STEP
+    has = np.zeros(ns, bool)
+    has[col[st]] = True
+    phases["step"][i, col[st]] = ev["t1"][st] - ev["t0"][st]
+    ends[i, col[st]] = ev["t1"][st] - trace.origin_ns  # small numbers: exact in float64
+
+    def per_step(mask, weights):
+        total = np.bincount(col[mask], weights=weights, minlength=ns).astype(np.float64)
+        return np.where(has, total, np.nan)
+
+    dur = (ev["t1"] - ev["t0"]).astype(np.float64)
+    for name, kind in _PHASE_KINDS.items():
+        m = ev["kind"] == kind
+        phases[name][i] = per_step(m, dur[m])
+    c = ev["kind"] == EventKind.BUCKET_COMM
+    phases["communication"][i] = per_step(c, _union_parts(ev["t0"][c], ev["t1"][c]))
+    for name, fld in (("payload", "nbytes"), ("bytes_sent", "bytes_sent"), ("bytes_recv", "bytes_recv")):
+        volumes[name][i] = per_step(c, ev[fld][c].astype(np.float64))
+    return ev[c]
+
+
+def _stragglers(trace: Trace, ends) -> tuple:
+    """Per step present on every rank: the rank that ended last and its lead over the first."""
+    ns = ends.shape[1]
     complete = ~np.isnan(ends).any(axis=0)
     slowest = np.full(ns, -1, dtype=np.int64)
     lag = np.full(ns, np.nan)
@@ -162,13 +178,7 @@ def summarize(trace: Trace, skip: int = 0) -> Summary:
         e = ends[:, complete]
         slowest[complete] = np.asarray(trace.rank_ids)[np.argmax(e, axis=0)]
         lag[complete] = e.max(axis=0) - e.min(axis=0)
-
-    layout = trace.buckets["nbytes"]
-    return Summary(path=trace.path, world_size=trace.world_size, ranks=np.asarray(trace.rank_ids),
-                   hostnames=[r.hostname for r in trace.ranks], steps=steps, skipped=skip,
-                   phases=phases, volumes=volumes,
-                   buckets=_bucket_figures(np.concatenate(comms), layout, trace.world_size),
-                   slowest_rank=slowest, lag_ns=lag, model_bytes=int(layout.sum()), meta=trace.meta)
+    return slowest, lag
 
 
 def _union_parts(t0: np.ndarray, t1: np.ndarray) -> np.ndarray:
