@@ -1,0 +1,170 @@
+#!/usr/bin/env python3
+"""Render the docs' results tables from the JSON lines the benchmarks write.
+
+Each table lives in a page between ``<!-- results:NAME -->`` and ``<!-- /results -->``
+and is generated from ``docs/results/<file>`` by the spec ``SPECS[NAME]`` below: which
+records, which columns, how to format them, and the command that wrote the file (shown
+beside the table). Re-run the command, then this script::
+
+    python tools/docs/results.py            # rewrite every table in docs/*.md
+    python tools/docs/results.py --check    # exit 1 if a table is not what its file gives
+
+Standard library only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _size(v) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if v >= div:
+            return f"{v / div:g} {unit}"
+    return f"{v} B"
+
+
+FORMATS = {
+    "int": lambda v: f"{int(v)}",
+    "str": lambda v: "none" if v is None else str(v),
+    "size": _size,
+    "us": lambda v: f"{v * 1e6:.0f}",
+    "ms": lambda v: f"{v * 1e3:.1f}",
+    "ratio": lambda v: f"{v:.2f}",
+    "kb": lambda v: "-" if v is None else f"{v / 1e3:,.0f}",
+}
+
+_TRAIN_COLUMNS = [("model", "model", "str"), ("mode", "mode", "str"), ("compression", "compression", "str"),
+                  ("ranks", "np", "int"), ("step (ms)", "step_time_s", "ms"),
+                  ("exposed comm (ms)", "exposed_comm_s", "ms"),
+                  ("sent per step (kB)", "bytes_sent_per_step", "kb")]
+
+SPECS = {
+    "allreduce": {
+        "file": "allreduce.jsonl",
+        "command": "for n in 2 4; do mpirun -np $n hpcdp-bench allreduce --sizes 64k,1m,4m,16m,64m,256m; "
+                   "done > docs/results/allreduce.jsonl",
+        "where": {"bench": "allreduce"},
+        "columns": [("ranks", "np", "int"), ("size", "bytes", "size"),
+                    ("hpcdp (us)", "hpcdp_time_s", "us"), ("hpcdp async (us)", "hpcdp_async_time_s", "us"),
+                    ("MPI_Allreduce (us)", "native_time_s", "us"), ("native / hpcdp", "ratio", "ratio"),
+                    ("native / async", "ratio_async", "ratio")],
+    },
+    "train": {
+        "file": "train.jsonl",
+        "command": "mpirun -np 2 hpcdp-bench train --model mlp-medium,mlp-large --bucket-sweep '' "
+                   "> docs/results/train.jsonl",
+        "where": {"bench": "train"},
+        "columns": _TRAIN_COLUMNS,
+    },
+    "trace-overhead": {
+        "file": "train-trace.jsonl",
+        "command": "mpirun -np 2 hpcdp-bench train --model mlp-large --global-batch 1024 "
+                   "--modes hpcdp,hpcdp-trace --steps 30 --warmup 2 --bucket-sweep '' "
+                   "> docs/results/train-trace.jsonl",
+        "where": {"bench": "train"},
+        "columns": [("model", "model", "str"), ("mode", "mode", "str"), ("ranks", "np", "int"),
+                    ("step (ms)", "step_time_s", "ms"), ("min (ms)", "step_time_min_s", "ms"),
+                    ("max (ms)", "step_time_max_s", "ms")],
+    },
+    "cuda-train": {
+        "file": "cuda-train.jsonl",
+        "command": "mpirun -np 2 hpcdp-bench train --device cuda --model mlp-large --global-batch 1024 "
+                   "--modes single,naive,hpcdp,ddp --bucket-sweep '' --compression none,fp16,onebit "
+                   "--steps 20 --warmup 3 > docs/results/cuda-train.jsonl",
+        "where": {"bench": "train"},
+        "columns": _TRAIN_COLUMNS,
+    },
+    "cluster-train": {
+        "file": "cluster-train.jsonl",
+        "command": "python tools/cluster/bench_train.py --rates 1gbit --out docs/results/cluster-train.jsonl "
+                   "-- --model mlp-large --global-batch 128 --modes naive,hpcdp,ddp --bucket-sweep '' "
+                   "--compression none,fp16,onebit --steps 20 --warmup 3",
+        "where": {"bench": "train"},
+        "columns": [("link", "rate", "str")] + _TRAIN_COLUMNS,
+    },
+    "compress-kernels": {
+        "file": "compress.jsonl",
+        "command": "hpcdp-bench compress > docs/results/compress.jsonl",
+        "where": {"bench": "compress"},
+        "columns": [("kernel", "kernel", "str"), ("backend", "impl", "str"),
+                    ("elements", "elements", "int"), ("time (us)", "seconds", "us")],
+    },
+}
+
+_BLOCK = re.compile(r"(<!-- results:([\w-]+) -->\n)(.*?)(<!-- /results -->)", re.S)
+
+
+class MissingResults(Exception):
+    pass
+
+
+def records(spec: dict, results: Path) -> list[dict]:
+    path = results / spec["file"]
+    if not path.exists():
+        raise MissingResults(f"{path} is missing; write it with: {spec['command']}")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if all(r.get(k) == v for k, v in spec["where"].items())]
+
+
+def render(name: str, results: Path) -> str:
+    """The Markdown of table ``name``: the command, the table, the MPI library measured."""
+    spec = SPECS[name]
+    rows = records(spec, results)
+    head = "| " + " | ".join(h for h, _, _ in spec["columns"]) + " |"
+    rule = "|" + "|".join("---" for _ in spec["columns"]) + "|"
+    body = ["| " + " | ".join(FORMATS[f](r.get(k)) for _, k, f in spec["columns"]) + " |" for r in rows]
+    mpis = sorted({r["mpi"] for r in rows if "mpi" in r})
+    sources = sorted({r["source"] for r in rows if "source" in r})
+    lines = [f"Generated from `docs/results/{spec['file']}`, written by:", "", "```bash",
+             spec["command"], "```", "", head, rule, *body]
+    if mpis:
+        lines += ["", f"MPI: {', '.join(mpis)}."]
+    if sources:
+        lines += ["", f"Measured on: {'; '.join(sources)}."]
+    return "\n".join(lines) + "\n"
+
+
+def rewrite(text: str, results: Path) -> str:
+    def one(m):
+        return m.group(1) + render(m.group(2), results) + m.group(4)
+    return _BLOCK.sub(one, text)
+
+
+def markers(text: str) -> list[str]:
+    return [m.group(2) for m in _BLOCK.finditer(text)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="only report stale tables (exit 1)")
+    ap.add_argument("--docs", type=Path, default=ROOT / "docs")
+    args = ap.parse_args(argv)
+    results, stale = args.docs / "results", []
+    for page in sorted(args.docs.glob("*.md")):
+        text = page.read_text()
+        unknown = [n for n in markers(text) if n not in SPECS]
+        if unknown:
+            print(f"{page}: no spec for results table(s) {', '.join(unknown)}", file=sys.stderr)
+            return 2
+        try:
+            new = rewrite(text, results)
+        except MissingResults as exc:
+            print(f"{page}: {exc}", file=sys.stderr)
+            return 2
+        if new != text:
+            stale.append(page)
+            if not args.check:
+                page.write_text(new)
+    for page in stale:
+        print(f"{'stale' if args.check else 'rewrote'}: {page}")
+    return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
