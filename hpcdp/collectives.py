@@ -208,7 +208,8 @@ def _prepare_allreduce(rt, x, op, name, check, blocking, stats, compression, sta
     one-message case, else a generator."""
     buf = as_buffer(x, name or "tensor")
     opcode = _parse_op(op, buf)
-    comp = resolve(compression, buf.name, buf.dtype.name, _device_of(buf))
+    comp = None if compression is None else resolve(compression, buf.name, buf.dtype.name,
+                                                    _device_of(buf))
     ctx = OpContext(rt.comm, rt.MPI, rt.engine.next_tag(), stats, on_step, rt.engine.yield_cpu)
     if blocking and comp is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
         run = functools.partial(_small_allreduce, rt, ctx, buf, opcode, check)

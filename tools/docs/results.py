@@ -36,13 +36,20 @@ FORMATS = {
     "us": lambda v: f"{v * 1e6:.0f}",
     "ms": lambda v: f"{v * 1e3:.1f}",
     "ratio": lambda v: f"{v:.2f}",
-    "kb": lambda v: "-" if v is None else f"{v / 1e3:,.0f}",
+    "kb": lambda v: f"{v / 1e3:,.0f}",
 }
 
 _TRAIN_COLUMNS = [("model", "model", "str"), ("mode", "mode", "str"), ("compression", "compression", "str"),
                   ("ranks", "np", "int"), ("step (ms)", "step_time_s", "ms"),
                   ("exposed comm (ms)", "exposed_comm_s", "ms"),
                   ("sent per step (kB)", "bytes_sent_per_step", "kb")]
+
+def _cell(value, fmt: str) -> str:
+    """A formatted value; "-" where a record does not have it."""
+    if value is None and fmt != "str":
+        return "-"
+    return FORMATS[fmt](value)
+
 
 SPECS = {
     "allreduce": {
@@ -92,6 +99,7 @@ SPECS = {
         "file": "compress.jsonl",
         "command": "hpcdp-bench compress > docs/results/compress.jsonl",
         "where": {"bench": "compress"},
+        "has": ["seconds"],
         "columns": [("kernel", "kernel", "str"), ("backend", "impl", "str"),
                     ("elements", "elements", "int"), ("time (us)", "seconds", "us")],
     },
@@ -109,7 +117,8 @@ def records(spec: dict, results: Path) -> list[dict]:
     if not path.exists():
         raise MissingResults(f"{path} is missing; write it with: {spec['command']}")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if all(r.get(k) == v for k, v in spec["where"].items())]
+    return [r for r in rows if all(r.get(k) == v for k, v in spec["where"].items())
+            and all(k in r for k in spec.get("has", ()))]
 
 
 def render(name: str, results: Path) -> str:
@@ -118,7 +127,7 @@ def render(name: str, results: Path) -> str:
     rows = records(spec, results)
     head = "| " + " | ".join(h for h, _, _ in spec["columns"]) + " |"
     rule = "|" + "|".join("---" for _ in spec["columns"]) + "|"
-    body = ["| " + " | ".join(FORMATS[f](r.get(k)) for _, k, f in spec["columns"]) + " |" for r in rows]
+    body = ["| " + " | ".join(_cell(r.get(k), f) for _, k, f in spec["columns"]) + " |" for r in rows]
     mpis = sorted({r["mpi"] for r in rows if "mpi" in r})
     sources = sorted({r["source"] for r in rows if "source" in r})
     lines = [f"Generated from `docs/results/{spec['file']}`, written by:", "", "```bash",
