@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import os
 import threading
-import sys
 import time
 from time import monotonic
 
