@@ -36,4 +36,7 @@ def __getattr__(name):
     if name in _TORCH_NAMES:
         from . import torch as _torch_glue
         return getattr(_torch_glue, name)
+    if name == "optim":
+        import importlib
+        return importlib.import_module(".optim", __name__)
     raise AttributeError(f"module 'hpcdp' has no attribute {name!r}")

@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compression", default="none", choices=list(COMPRESSOR_NAMES),
                     help="gradient compression on the wire (default: none)")
     ap.add_argument("--compression-warmup", type=_count, default=None, metavar="N",
-                    help="onebit: run the first N steps uncompressed (default: 0)")
+                    help="onebit: the first N steps average exact gradients (default: "
+                         "15%% of the run's steps)")
     ap.add_argument("--trace", default=None, metavar="PATH", help="timing trace output")
     ap.add_argument("--checkpoint", default=None, metavar="PATH",
                     help="save after every epoch; resume from it when it exists")
@@ -192,20 +193,30 @@ def _build(job: _Job) -> None:
     args = job.args
     job.model = build_model(args.model, args.seed).to(job.device)
     compression = None if args.compression == "none" else args.compression
-    if args.compression_warmup is not None:
-        from .compress import OneBit
-        compression = OneBit(warmup_steps=args.compression_warmup)
     try:
         job.ddp = hpcdp.DistributedDataParallel(
             job.model, bucket_cap_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,
             overlap=not args.no_overlap, compression=compression, trace=args.trace)
     except ValueError as exc:  # argument errors: raised on every rank before any communication
         raise _JobError(str(exc), 2) from exc
+    job.opt = _optimizer(job, torch)
+
+
+def _optimizer(job: _Job, torch):
+    """The optimizer; with onebit its compressed-momentum twin (hpcdp.optim), which
+    trains at the same settings where momentum after a 1-bit gradient diverges."""
+    args = job.args
+    if args.compression == "onebit":
+        from .optim import OneBitAdam, OneBitSGD
+        common = dict(weight_decay=args.weight_decay, warmup_steps=args.compression_warmup,
+                      total_steps=args.epochs * job.steps)
+        if args.optimizer == "sgd":
+            return OneBitSGD(job.ddp, lr=args.lr, momentum=args.momentum, **common)
+        return OneBitAdam(job.ddp, lr=args.lr, **common)
     if args.optimizer == "sgd":
-        job.opt = torch.optim.SGD(job.ddp.parameters(), lr=args.lr, momentum=args.momentum,
-                                  weight_decay=args.weight_decay)
-    else:
-        job.opt = torch.optim.Adam(job.ddp.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        return torch.optim.SGD(job.ddp.parameters(), lr=args.lr, momentum=args.momentum,
+                               weight_decay=args.weight_decay)
+    return torch.optim.Adam(job.ddp.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
 
 def _resume(job: _Job) -> None:

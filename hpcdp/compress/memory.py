@@ -71,6 +71,13 @@ class OneBitState(BucketState):
                 setattr(self, key, torch.as_tensor(value).to(device))
         return self
 
+    def residual_norm(self) -> float:
+        """L2 norm of the worker residual (what the divergence guard compares)."""
+        r = self.worker_residual
+        if isinstance(r, np.ndarray):
+            return float(np.sqrt(np.dot(r, r)))
+        return float(r.norm())
+
     def state_dict(self):
         """Plain values and host numpy copies of the residuals, wherever they live."""
         state = super().state_dict()

@@ -32,6 +32,8 @@ order rank 0 observed the gradients arrive, broadcast so every rank agrees.
 from __future__ import annotations
 
 import itertools
+import warnings
+import weakref
 from time import perf_counter_ns
 
 import numpy as np
@@ -41,6 +43,7 @@ from .._runtime import runtime
 from ..collectives import allreduce_async, broadcast
 from ..compress import NoCompression, get_compressor, resolve
 from .buckets import plan_buckets
+from .guard import DivergenceGuard
 from ..errors import UnusedParametersError
 from ..objects import allgather_object
 
@@ -52,7 +55,7 @@ _REDUCERS = itertools.count()  # each reducer names its buckets' compressor stat
 
 class _Bucket:
     __slots__ = ("spec", "members", "flat", "views", "direct", "tail", "pending", "handle",
-                 "tail_handle", "zeros", "stats", "payload")
+                 "tail_handle", "zeros", "stats", "payload", "codec")
 
     def __init__(self, spec, params, tail_len: int, direct: bool):
         self.spec = spec
@@ -74,6 +77,7 @@ class _Bucket:
         self.zeros = None    # direct bucket whose parameter had no gradient on this rank
         self.stats = None    # this launch's wire bytes, filled in by the engine
         self.payload = 0     # bytes handed to this launch's allreduce (after compression)
+        self.codec = None    # this launch's (compressor, state, data), for the guard
 
 
 def _compressor(compression, named_params, owner: str):
@@ -86,6 +90,41 @@ def _compressor(compression, named_params, owner: str):
         resolve(compression, name, str(p.dtype), str(p.device), owner)
     comp = get_compressor(compression)
     return None if isinstance(comp, NoCompression) else comp
+
+
+def _has_momentum(opt) -> bool:
+    return any(g.get("momentum", 0) or "betas" in g for g in opt.param_groups)
+
+
+_WATCHED = weakref.WeakSet()  # reducers whose gradients 1-bit compresses, until an optimizer steps them
+_HOOK = []
+
+
+def _watch_optimizer(reducer) -> None:
+    """Warn once (rank 0) when an optimizer with momentum (SGD momentum, Adam and
+    the like) steps the parameters of ``reducer``, whose gradients 1-bit compresses:
+    momentum after a 1-bit gradient diverges at the usual settings."""
+    _WATCHED.add(reducer)
+    if not _HOOK:  # one global hook, a no-op once nothing is watched
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def _check_optimizer(opt, args, kwargs) -> None:
+    if not _WATCHED:
+        return
+    stepped = {id(p) for g in opt.param_groups for p in g["params"]}
+    for r in list(_WATCHED):
+        if not any(id(p) in stepped for p in r.params):
+            continue
+        _WATCHED.discard(r)
+        if r.momentum is None and _has_momentum(opt) and r.rt.rank == 0:
+            warnings.warn(
+                f"{r.owner}: compression='onebit' compresses the gradients, and "
+                f"{type(opt).__name__} applies momentum after the compressor: this diverges at "
+                "the usual settings. Use hpcdp.optim.OneBitSGD(model, ...) or "
+                "hpcdp.optim.OneBitAdam(model, ...), which compress the momentum instead "
+                "(see docs/compression.md)", RuntimeWarning, stacklevel=3)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -131,6 +170,8 @@ class Reducer:
                 raise ValueError(f"{owner}: parameter {name!r} already has its gradients averaged by "
                                  f"{owner_of}; wrap the model or the optimizer, not both")
         self.compressor = _compressor(compression, named_params, owner)
+        # a compressed-momentum optimizer (hpcdp.optim) steering the buckets, see couple()
+        self.momentum = None
         # compressor states (1-bit residuals) live in the runtime's store, under this prefix
         self.state_prefix = f"{owner}#{next(_REDUCERS)}/"
         self.cap_bytes = int(bucket_cap_mb * _MB)
@@ -143,6 +184,7 @@ class Reducer:
         self.stats = {"bytes_sent": 0, "bytes_recv": 0, "allreduces": 0, "iterations": 0,
                       "exposed_wait_ns": 0}
         self.tracer = None
+        self.guard = DivergenceGuard(owner, self.rt.rank)
         self._tail_len = len(self.params) if find_unused else 1
         self._relaid_out = False
         self._layout(list(reversed(range(len(self.params)))))
@@ -150,6 +192,30 @@ class Reducer:
         for i, p in enumerate(self.params):
             p._hpcdp_reducer_owner = owner
             p.register_post_accumulate_grad_hook(self._make_hook(i))
+        if self.compressor is not None and self.compressor.name == "onebit":
+            _watch_optimizer(self)
+
+    # -- compressed momentum -------------------------------------------------------
+    def couple(self, momentum) -> None:
+        """Let ``momentum`` (an :mod:`hpcdp.optim` optimizer) steer the buckets.
+
+        Until ``momentum.compressing``, gradients are averaged exactly (its warm-up).
+        Then each bucket carries the local momentum ``momentum.encode`` makes of its
+        gradients, averaged by ``momentum.compressor``; with ``momentum.overlap`` off,
+        backward only accumulates and ``step()`` calls :meth:`reduce_now`.
+        """
+        if self.momentum is not None:
+            raise ValueError(f"{self.owner}: the model is already driven by {self.momentum!r}; "
+                             "make one compressed-momentum optimizer per model")
+        self.rt.codec_states.clear(self.state_prefix)
+        self.momentum = momentum
+
+    def _codec(self):
+        """The compressor of this iteration's buckets (None: exact)."""
+        m = self.momentum
+        if m is None:
+            return self.compressor
+        return m.compressor if m.compressing else None
 
     # -- layout ------------------------------------------------------------------
     def _layout(self, order: list[int]) -> None:
@@ -293,7 +359,9 @@ class Reducer:
         self.rt.engine.progress()
 
     def _begin(self) -> None:
-        sync = bool(self.should_sync())
+        m = self.momentum
+        # compressed momentum without overlap is exchanged in step(): accumulate until then
+        sync = bool(self.should_sync()) and (m is None or m.overlap or not m.compressing)
         self._reset()
         self._active = True
         self._sync = sync
@@ -334,7 +402,10 @@ class Reducer:
                 self._fill_tail(b.tail)
         index = b.spec.index
         name = f"bucket{index}"
-        comp = self.compressor
+        comp = self._codec()
+        if self.momentum is not None and comp is not None:
+            with torch.no_grad():
+                self.momentum.encode(b.members, (t,) if b.direct else b.views)
         on_step = None if self.tracer is None else self.tracer.ring_callback(index)
         b.stats = {}
         if comp is None:
@@ -346,6 +417,8 @@ class Reducer:
             # uncompressed, as its own tiny allreduce right after the bucket
             grads = t[:b.spec.numel] if b.tail is not None else t
             state = self.rt.codec_states.get(comp, self.state_prefix + name, grads.numel())
+            self.guard.before(index, grads)
+            b.codec = (comp, state, grads)
             b.payload = comp.payload_nbytes(grads.numel(), self.rt.size, state)
             b.handle = allreduce_async(grads, op="avg", name=name, check=False, stats=b.stats,
                                        compression=comp, state=state, on_step=on_step)
@@ -393,9 +466,18 @@ class Reducer:
         self.rt.engine.progress()
 
     def reduce_now(self) -> None:
-        """Average the current ``.grad`` of every parameter now (outside backward)."""
+        """Average the current ``.grad`` of every parameter now (outside backward);
+        parameters whose ``.grad`` is None count as not used on this rank."""
         self._reset()
         self._sync = True
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    self._ready[i] = True
+                    if not self.bucket_of[i].direct:
+                        self._copy_in(i, p, self.bucket_of[i])
+        for b in self.buckets:
+            b.pending = 0
         self.flush()
         self.finish()
 
@@ -413,6 +495,7 @@ class Reducer:
             raise
         t1 = perf_counter_ns()
         self._account(launched, t0, t1)
+        self._guard(launched)
         tail = self.buckets[-1].tail.tolist()
         missing, seen = self._missing, self._seen
         self._reset()
@@ -433,6 +516,8 @@ class Reducer:
                             p.grad = view if self.as_view else view.clone()
                     elif not self.as_view:
                         p.grad.copy_(view)
+        if self.momentum is not None:
+            self.momentum.exchanged()
         if seen and not self._relaid_out:
             self._relayout(seen)
 
@@ -441,7 +526,8 @@ class Reducer:
         stats, tracer = self.stats, self.tracer
         stats["exposed_wait_ns"] += t1 - t0
         nonfinite = False
-        codec = 0 if tracer is None or self.compressor is None else tracer.codec_id(self.compressor.name)
+        comp = self._codec()
+        codec = 0 if tracer is None or comp is None else tracer.codec_id(comp.name)
         for b in launched:
             sent, recv = b.stats.get("bytes_sent", 0), b.stats.get("bytes_recv", 0)
             stats["bytes_sent"] += sent
@@ -453,6 +539,14 @@ class Reducer:
             stats["nonfinite"] = nonfinite
         if tracer is not None:
             tracer.exposed(t0, t1)
+
+    def _guard(self, launched) -> None:
+        for b in launched:
+            if b.codec is not None:
+                comp, state, data = b.codec
+                b.codec = None
+                self.guard.after(b.spec.index, data, comp, state, self.momentum is not None)
+        self.guard.end_iteration()
 
     def _raise_unused(self, missing: list[int]) -> None:
         names = [self.names[i] for i in missing]
@@ -491,5 +585,6 @@ class Reducer:
 
     def load_compression_state_dict(self, states: dict) -> None:
         """Restore what :meth:`compression_state_dict` returned (same world size and rank)."""
-        if self.compressor is not None:
-            self.rt.codec_states.load_state_dict(states, self.compressor, self.state_prefix)
+        comp = self.compressor if self.momentum is None else self.momentum.compressor
+        if comp is not None:
+            self.rt.codec_states.load_state_dict(states, comp, self.state_prefix)
