@@ -20,6 +20,7 @@ from .comm.engine import Handle, rank_ranges
 from .comm.op import OpContext
 from .comm.ring import CodecFrames, PlainFrames, RingConfig, ring_allreduce, ring_allreduce_blocking
 from .comm.spaces import space_for
+from .comm.lowrank import lowrank_allreduce
 from .comm.twophase import twophase_allreduce
 from .comm.waiting import drive
 from .compress.registry import code, code_name, resolve
@@ -89,6 +90,10 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
         state = rt.codec_states.get(comp, buf.name, buf.n) if state is None else state
         yield from twophase_allreduce(ctx, buf.data, comp, state, average,
                                       space_for(buf, rt.cuda_aware))
+    elif comp.collective == "lowrank":
+        state = rt.codec_states.get(comp, buf.name, buf.n) if state is None else state
+        yield from lowrank_allreduce(ctx, buf.data, comp, state, average,
+                                     functools.partial(_ring_of, rt, ctx, buf.name))
     else:
         space = space_for(buf, rt.cuda_aware)
         frames, tmp = _codec_frames(rt, buf, comp, space, 1.0 / rt.size if average else 1.0)
@@ -133,6 +138,11 @@ def _plain_gen(rt, ctx, buf, average: bool, blocking: bool):
         seg = max(1, _cfg.segment_bytes // buf.dtype.itemsize)
         yield from ring_allreduce(ctx, buf.n, PlainFrames(buf, average, rt.size),
                                   rt.tmp(buf, _cfg.window * seg), _cfg, buf.dtype.itemsize)
+
+
+def _ring_of(rt, ctx, name: str, data, average: bool):
+    """Generator: the plain ring over ``data`` (a codec's float32 buffer, host or device)."""
+    yield from _plain_gen(rt, ctx, as_buffer(data, name), average, False)
 
 
 def _small_allreduce(rt, ctx, buf, op: int, check: bool) -> None:

@@ -76,8 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket size (MiB)")
     ap.add_argument("--no-overlap", action="store_true",
                     help="average after backward instead of during it")
-    ap.add_argument("--compression", default="none", choices=list(COMPRESSOR_NAMES),
-                    help="gradient compression on the wire (default: none)")
+    ap.add_argument("--compression", default="none", type=_compression, metavar="NAME",
+                    help="compression on the wire: " + ", ".join(COMPRESSOR_NAMES) + " or powersgd:R "
+                         "(rank R; powersgd is rank 2); onebit compresses the optimizer's momentum "
+                         "(hpcdp.optim) (default: none)")
     ap.add_argument("--compression-warmup", type=_count, default=None, metavar="N",
                     help="onebit: the first N steps average exact gradients (default: "
                          "15%% of the run's steps)")
@@ -97,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-json", default=None, metavar="PATH",
                     help="rank 0 writes one JSON line per epoch and a final one (loss curves)")
     return ap
+
+
+def _compression(text: str) -> str:
+    from .compress import get_compressor
+    try:
+        get_compressor(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _count(text: str) -> int:
@@ -193,6 +204,10 @@ def _build(job: _Job) -> None:
     args = job.args
     job.model = build_model(args.model, args.seed).to(job.device)
     compression = None if args.compression == "none" else args.compression
+    if args.compression.startswith("powersgd"):  # its uncompressed start: 10 % of this run
+        from .compress import PowerSGD, get_compressor
+        compression = PowerSGD(get_compressor(args.compression).rank,
+                               total_steps=args.epochs * job.steps)
     try:
         job.ddp = hpcdp.DistributedDataParallel(
             job.model, bucket_cap_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,

@@ -1,4 +1,4 @@
-"""Gradient compression for hpcdp's allreduce: fp16/bf16 and 1-bit with error feedback.
+"""Gradient compression for hpcdp's allreduce: fp16/bf16, 1-bit with error feedback, PowerSGD.
 
 No MPI here: the transport (``hpcdp.comm``) moves the payloads and calls these
 compressors at fixed points of its collective (see ``docs/compression.md``).
@@ -10,6 +10,7 @@ from .base import BucketState, Compressor, RingCompressor
 from .halfprec import HalfPrecision, NoCompression, has_nonfinite
 from .memory import OneBitState, chunk_numel, owned_range
 from .onebit import OneBit
+from .powersgd import PowerSGD, PowerSGDState
 from .registry import COMPRESSOR_NAMES, code, code_name, get_compressor, resolve
 from .state import StateStore
 
@@ -21,6 +22,8 @@ __all__ = [
     "NoCompression",
     "OneBit",
     "OneBitState",
+    "PowerSGD",
+    "PowerSGDState",
     "RingCompressor",
     "StateStore",
     "chunk_numel",

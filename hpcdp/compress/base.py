@@ -106,7 +106,7 @@ class Compressor:
         self._k, self._xp = backend(impl)
         self.impl = impl
 
-    def new_state(self, numel, world_size, rank, name="bucket"):
+    def new_state(self, numel, world_size, rank, name="bucket", shapes=None):
         """Per-bucket state for one rank (identity only, for stateless compressors)."""
         return BucketState(name, numel, world_size, rank)
 

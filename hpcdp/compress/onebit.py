@@ -63,7 +63,7 @@ class OneBit(Compressor):
         """The same compressor computing with torch ops on torch tensors."""
         return self if self.impl == "torch" else OneBit(self.warmup_steps, impl="torch")
 
-    def new_state(self, numel, world_size, rank, name="bucket"):
+    def new_state(self, numel, world_size, rank, name="bucket", shapes=None):
         """Zero residuals for bucket ``name`` of ``numel`` elements on ``rank``."""
         return OneBitState(name, numel, world_size, rank)
 

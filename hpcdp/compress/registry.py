@@ -8,6 +8,7 @@ choices (:data:`COMPRESSOR_NAMES`) and the trace files (which store the names).
 from .base import Compressor
 from .halfprec import HalfPrecision, NoCompression
 from .onebit import OneBit
+from .powersgd import PowerSGD
 
 #: name -> (factory giving the default instance, code sent in the cross-rank argument check)
 _REGISTRY = {
@@ -15,6 +16,7 @@ _REGISTRY = {
     "fp16": (lambda: HalfPrecision("fp16"), 1),
     "bf16": (lambda: HalfPrecision("bf16"), 2),
     "onebit": (OneBit, 3),
+    "powersgd": (PowerSGD, 4),
 }
 _CUSTOM_CODE = 9
 
@@ -24,11 +26,17 @@ COMPRESSOR_NAMES = tuple(_REGISTRY)
 def get_compressor(spec):
     """Map ``None``, a name in ``COMPRESSOR_NAMES`` or a :class:`Compressor` to an instance.
 
-    Names give the defaults: ``"onebit"`` is ``OneBit(warmup_steps=0)``; build
-    ``OneBit(warmup_steps=...)`` yourself for a warm-up.
+    Names give the defaults: ``"onebit"`` is ``OneBit(warmup_steps=0)``, ``"powersgd"``
+    is ``PowerSGD(rank=2)`` and ``"powersgd:R"`` rank R; build the instances yourself
+    for other options.
     """
     if isinstance(spec, Compressor):
         return spec
+    if isinstance(spec, str) and spec.startswith("powersgd:"):
+        rank = spec.partition(":")[2]
+        if not rank.isdigit() or int(rank) < 1:
+            raise ValueError(f"compressor {spec!r}: the rank after 'powersgd:' must be an integer >= 1")
+        return PowerSGD(rank=int(rank))
     entry = _REGISTRY.get("none" if spec is None else spec)
     if entry is None:
         raise ValueError(

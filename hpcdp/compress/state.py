@@ -19,12 +19,13 @@ class StateStore:
         self.rank = int(rank)
         self._states = {}  # (bucket name, numel) -> state
 
-    def get(self, comp, name: str, numel: int):
-        """The state of bucket ``name`` of ``numel`` elements (``comp.new_state`` on first use)."""
+    def get(self, comp, name: str, numel: int, shapes=None):
+        """The state of bucket ``name`` of ``numel`` elements (``comp.new_state`` on first use;
+        ``shapes``: the shapes of the tensors the bucket holds, for compressors that use them)."""
         key = (name, int(numel))
         state = self._states.get(key)
         if state is None:
-            state = comp.new_state(numel, self.world_size, self.rank, name=name)
+            state = comp.new_state(numel, self.world_size, self.rank, name=name, shapes=shapes)
             self._states[key] = state
         return state
 

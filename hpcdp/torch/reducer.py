@@ -416,7 +416,8 @@ class Reducer:
             # the control tail (counts, presence flags) must survive exactly: it travels
             # uncompressed, as its own tiny allreduce right after the bucket
             grads = t[:b.spec.numel] if b.tail is not None else t
-            state = self.rt.codec_states.get(comp, self.state_prefix + name, grads.numel())
+            state = self.rt.codec_states.get(comp, self.state_prefix + name, grads.numel(),
+                                             [self.params[i].shape for i in b.members])
             self.guard.before(index, grads)
             b.codec = (comp, state, grads)
             b.payload = comp.payload_nbytes(grads.numel(), self.rt.size, state)

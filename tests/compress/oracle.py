@@ -114,3 +114,27 @@ def simulate_onebit_allreduce(arrays, states, compressor=None, *, return_frames=
     if return_frames:
         return outputs, worker_frames, gathered
     return outputs
+
+
+def simulate_powersgd_allreduce(arrays, states, compressor):
+    """Average ``arrays`` with PowerSGD as N ranks would: the codec's calls in the
+    transport's order, each sum over ranks by the ring simulator (the real ring's bits).
+    ``states[r]`` (rank r's :class:`PowerSGDState`) is updated in place; returns the N outputs.
+    """
+    import torch
+
+    from hpcdp.comm.schedule import simulate
+
+    world = len(arrays)
+    outs = [np.array(a, dtype=np.float32, copy=True) for a in arrays]
+    if not compressor.is_compressing(states[0]):
+        for st in states:
+            compressor.skip(st)
+        return simulate(outs, finish=lambda v: np.divide(v, v.dtype.type(world), out=v))
+    p_sums = simulate([compressor.project(o, st).numpy() for o, st in zip(outs, states)])
+    ps = [torch.from_numpy(p) for p in p_sums]
+    q_sums = simulate([compressor.back_project(o, p, st).numpy()
+                       for o, p, st in zip(outs, ps, states)])
+    for o, p, q, st in zip(outs, ps, q_sums, states):
+        compressor.decode(o, p, torch.from_numpy(q), st, world)
+    return outs
