@@ -442,9 +442,9 @@ def test_get_compressor():
     assert get_compressor("fp16").wire_dtype == np.float16
     custom = OneBit(warmup_steps=7)
     assert get_compressor(custom) is custom and isinstance(get_compressor("onebit"), OneBit)
-    with pytest.raises(ValueError, match="valid names: none, fp16, bf16, onebit"):
+    with pytest.raises(ValueError, match="valid names: none, fp16, bf16, onebit, powersgd"):
         get_compressor("int8")
-    assert COMPRESSOR_NAMES == ("none", "fp16", "bf16", "onebit")
+    assert COMPRESSOR_NAMES == ("none", "fp16", "bf16", "onebit", "powersgd")
 
 
 def test_import_does_not_load_numba():
