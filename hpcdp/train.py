@@ -28,13 +28,15 @@ params_sha256=H wall=Ts``, where H is the model digest of
 :func:`hpcdp.check_replicas` (which first checks that every rank holds
 bit-identical parameters).
 
-``--log-json PATH``: rank 0 writes one JSON object per line, one per epoch
+``--log-json PATH``: rank 0 writes one JSON object per line: epoch 0 (a fresh
+run's ``test_loss`` and ``test_acc`` before training), one per epoch
 (``epoch``, ``train_loss``: the epoch's global mean training loss,
-``test_loss``, ``test_acc``, ``epoch_s``, ``wall_s``: seconds since training
-started in this process), then a final one (``"final": true``, the final
-``test_acc`` and ``test_loss``, ``steps``, ``wall_s``, ``world_size`` and
-the parsed arguments as ``args``). A fresh run truncates the file, a resumed
-run appends to it.
+``test_loss``, ``test_acc``, lm: ``bits_per_byte``, ``epoch_s``, ``wall_s``:
+seconds since training started in this process), then a final one
+(``"final": true``, the final ``test_acc`` and ``test_loss``, ``steps``,
+``wall_s``, ``world_size``, the task's facts as ``task`` and the parsed
+arguments as ``args``). A fresh run truncates the file, a resumed run appends
+to it.
 
 ``main(argv, on_step=CALLABLE)``: a script that imports the job can run code on
 every rank before each global step, as ``on_step(step, rank, stop)`` (``stop``:
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -61,16 +64,25 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     from .compress import COMPRESSOR_NAMES
+    from .torch.tasks import TASKS
     from .torch.zoo import MODELS
     ap = argparse.ArgumentParser(prog="python -m hpcdp.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", default="digits-mlp", choices=list(TASKS),
+                    help="digits-mlp (default), digits-cnn or lm (a byte-level transformer on the "
+                         "Python standard library's source); see hpcdp/torch/tasks.py")
     ap.add_argument("--model", default="digits", choices=list(MODELS),
-                    help="digits (scikit-learn's digits) or a seed-notebook MLP on synthetic data")
-    ap.add_argument("--global-batch", type=int, default=64, help="samples per step, all ranks together")
-    ap.add_argument("--epochs", type=int, default=20)
-    ap.add_argument("--lr", type=float, default=0.1)
+                    help="digits-mlp: digits (scikit-learn's digits) or a seed-notebook MLP on "
+                         "synthetic data")
+    ap.add_argument("--global-batch", type=int, default=None,
+                    help="samples per step, all ranks together (default: the task's)")
+    ap.add_argument("--epochs", type=int, default=None, help="default: the task's")
     ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
-    ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    ap.add_argument("--lr", type=float, default=None, help="default: the task's for the optimizer")
+    ap.add_argument("--momentum", type=float, default=None, help="SGD momentum (default: the task's, 0.9)")
+    ap.add_argument("--clip", type=float, default=None, metavar="NORM",
+                    help="clip the gradients' global L2 norm before the step (default: the task's; "
+                         "lm 1.0); onebit clips each rank's gradient before its momentum is formed")
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="fusion bucket size (MiB)")
     ap.add_argument("--first-bucket-mb", type=float, default=1.0, help="first bucket size (MiB)")
@@ -135,6 +147,7 @@ class _Job:
     stop: object = None          # the PreemptionHandler (with --checkpoint)
     device: object = None
     threads: int = 1
+    task: object = None          # hpcdp.torch.tasks.Task
     data: tuple = ()             # x_train, y_train, x_test, y_test
     model: object = None
     ddp: object = None
@@ -155,12 +168,24 @@ class _Job:
 
 
 # -- setting up -------------------------------------------------------------------------
+def _task_defaults(job: _Job) -> None:
+    """Load the task; arguments not given take its defaults for the optimizer."""
+    from .torch.tasks import load_task
+    args = job.args
+    job.task = load_task(args.task, args.seed, model=args.model, samples=args.samples)
+    for key, value in job.task.defaults[args.optimizer].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+
+
 def _check_args(args, size: int) -> None:
+    if args.model != "digits" and args.task != "digits-mlp":
+        raise _JobError(f"--model {args.model}: only --task digits-mlp has a choice of model", 2)
     if args.global_batch < size:
         raise _JobError(f"--global-batch {args.global_batch} is smaller than the number of ranks "
                         f"({size})", 2)
-    if args.epochs < 0 or args.lr <= 0 or args.samples < 10:
-        raise _JobError("--epochs must be >= 0, --lr > 0 and --samples >= 10", 2)
+    if args.epochs < 0 or args.lr <= 0 or args.samples < 10 or (args.clip or 1) <= 0:
+        raise _JobError("--epochs must be >= 0, --lr > 0, --clip > 0 and --samples >= 10", 2)
     if args.compression_warmup is not None and args.compression != "onebit":
         raise _JobError(f"--compression-warmup: --compression {args.compression} has no warm-up "
                         "(only onebit has one)", 2)
@@ -182,17 +207,9 @@ def _place(job: _Job) -> None:
 
 
 def _load_data(job: _Job) -> None:
-    """The digits split, or the synthetic data with 20 % held out; on the job's device."""
-    from .torch.zoo import load_digits_split, synthetic_dataset
-    args = job.args
-    if args.model == "digits":
-        data = load_digits_split(args.seed)
-    else:
-        x, y = synthetic_dataset(args.samples, seed=42 + args.seed)
-        n_test = args.samples // 5
-        data = (x[n_test:], y[n_test:], x[:n_test], y[:n_test])
-    job.data = tuple(t.to(job.device) for t in data)
-    job.steps = (len(job.data[0]) + args.global_batch - 1) // args.global_batch
+    """The task's train and test (lm: validation) splits, on the job's device."""
+    job.data = tuple(t.to(job.device) for t in job.task.data)
+    job.steps = (len(job.data[0]) + job.args.global_batch - 1) // job.args.global_batch
 
 
 def _build(job: _Job) -> None:
@@ -200,9 +217,8 @@ def _build(job: _Job) -> None:
     import torch
 
     import hpcdp
-    from .torch.zoo import build_model
     args = job.args
-    job.model = build_model(args.model, args.seed).to(job.device)
+    job.model = job.task.build(args.seed).to(job.device)
     compression = None if args.compression == "none" else args.compression
     if args.compression.startswith("powersgd"):  # its uncompressed start: 10 % of this run
         from .compress import PowerSGD, get_compressor
@@ -223,8 +239,9 @@ def _optimizer(job: _Job, torch):
     args = job.args
     if args.compression == "onebit":
         from .optim import OneBitAdam, OneBitSGD
+        # clipping changes .grad after backward: the momentum is then formed in step()
         common = dict(weight_decay=args.weight_decay, warmup_steps=args.compression_warmup,
-                      total_steps=args.epochs * job.steps)
+                      total_steps=args.epochs * job.steps, overlap=args.clip is None)
         if args.optimizer == "sgd":
             return OneBitSGD(job.ddp, lr=args.lr, momentum=args.momentum, **common)
         return OneBitAdam(job.ddp, lr=args.lr, **common)
@@ -267,9 +284,10 @@ def _train_step(job: _Job, idx) -> tuple:
     lo, hi = rank_share(len(idx), job.size, job.rank)
     mine = idx[lo:hi]
     job.opt.zero_grad()
-    out = job.ddp(x_tr[mine])
-    loss_sum = torch.nn.functional.cross_entropy(out, y_tr[mine], reduction="sum")
+    loss_sum = job.task.loss_sum(job.ddp(x_tr[mine]), y_tr[mine])
     (loss_sum * (job.size / len(idx))).backward()
+    if job.args.clip is not None:
+        torch.nn.utils.clip_grad_norm_(job.ddp.parameters(), job.args.clip)
     job.opt.step()
     return loss_sum.item(), hi - lo
 
@@ -291,6 +309,9 @@ def _epoch(job: _Job, epoch: int, on_step) -> np.ndarray:
         if job.stop is not None and job.stop.should_stop():
             _preempted(job, epoch, totals)
     hpcdp.allreduce(totals, op="sum", name="epoch loss")
+    if not np.isfinite(totals[0]):  # the same sums on every rank: all stop together
+        raise _JobError(f"the training loss became non-finite in epoch {epoch + 1} (compression "
+                        f"{args.compression}, {args.optimizer} lr {args.lr}): the run diverged", 1)
     return totals
 
 
@@ -330,8 +351,8 @@ def _evaluate(job: _Job) -> tuple:
     job.ddp.eval()
     with torch.no_grad():
         out = job.ddp(x_te[lo:hi])
-        correct = (out.argmax(1) == y_te[lo:hi]).sum().item()
-        loss = torch.nn.functional.cross_entropy(out, y_te[lo:hi], reduction="sum").item()
+        correct = job.task.correct(out, y_te[lo:hi])
+        loss = job.task.loss_sum(out, y_te[lo:hi]).item()
     job.ddp.train()
     counts = np.array([correct, loss, hi - lo], dtype=np.float64)
     hpcdp.allreduce(counts, op="sum", name="test accuracy")
@@ -343,9 +364,10 @@ def _report_epoch(job: _Job, epoch: int, totals, acc: float, test_loss: float, t
     from . import checkpoint
     now = time.perf_counter()
     job.say(f"epoch {epoch + 1}/{job.args.epochs} loss={totals[0] / totals[1]:.4f} "
-            f"test_acc={acc:.4f} time={now - t0:.2f}s", flush=True)
+            f"test_acc={acc:.4f}{_bpb(job, test_loss)} time={now - t0:.2f}s", flush=True)
     job.log({"epoch": epoch + 1, "train_loss": totals[0] / totals[1], "test_loss": test_loss,
-             "test_acc": acc, "epoch_s": now - t0, "wall_s": now - job.t_start})
+             "test_acc": acc, **_metric(job, test_loss), "epoch_s": now - t0,
+             "wall_s": now - job.t_start})
     if job.args.checkpoint:
         checkpoint.save(job.args.checkpoint, job.model, job.opt, step=job.step, epoch=epoch + 1,
                         extra={"bucket_layout": job.ddp.reducer.layout_state()},
@@ -357,10 +379,23 @@ def _report_end(job: _Job, acc: float, test_loss: float) -> None:
     digest = hpcdp.check_replicas(job.model)
     job.ddp.close_trace()
     wall = time.perf_counter() - job.t_start
-    job.say(f"done: test_acc={acc:.4f} epochs={job.args.epochs} steps={job.step} "
-            f"params_sha256={digest} wall={wall:.1f}s", flush=True)
-    job.log({"final": True, "test_acc": acc, "test_loss": test_loss, "steps": job.step,
-             "wall_s": wall, "world_size": job.size, "args": vars(job.args)})
+    job.say(f"done: test_acc={acc:.4f}{_bpb(job, test_loss)} epochs={job.args.epochs} "
+            f"steps={job.step} params_sha256={digest} wall={wall:.1f}s", flush=True)
+    job.log({"final": True, "test_acc": acc, "test_loss": test_loss, **_metric(job, test_loss),
+             "steps": job.step, "wall_s": wall, "world_size": job.size, "task": job.task.info,
+             "args": vars(job.args)})
+
+
+def _metric(job: _Job, test_loss: float) -> dict:
+    """lm: the validation loss in bits per byte (the test loss is in nats per byte)."""
+    if job.task.metric != "bits_per_byte":
+        return {}
+    return {"bits_per_byte": test_loss / math.log(2)}
+
+
+def _bpb(job: _Job, test_loss: float) -> str:
+    metric = _metric(job, test_loss)
+    return f" val_bpb={metric['bits_per_byte']:.4f}" if metric else ""
 
 
 def _announce(job: _Job) -> None:
@@ -368,9 +403,12 @@ def _announce(job: _Job) -> None:
     args = job.args
     if job.rank == 0 and args.log_json and job.step == 0:
         open(args.log_json, "w").close()
-    job.say(f"hpcdp.train: model {args.model} ({sum(p.numel() for p in job.model.parameters()):,} "
+    what = args.model if args.task == "digits-mlp" else args.task
+    job.say(f"hpcdp.train: {what} ({sum(p.numel() for p in job.model.parameters()):,} "
             f"parameters), {job.size} ranks x {job.threads} threads on {job.device}, global batch "
-            f"{args.global_batch}, {job.steps} steps/epoch, {args.optimizer} lr {args.lr}", flush=True)
+            f"{args.global_batch}, {job.steps} steps/epoch, {args.optimizer} lr {args.lr}"
+            + (f", clip {args.clip}" if args.clip is not None else "")
+            + (f", compression {args.compression}" if args.compression != "none" else ""), flush=True)
 
 
 # -- the job ---------------------------------------------------------------------------------
@@ -381,6 +419,7 @@ def _setup(args) -> _Job:
     # before anything slow: until the handler is installed, SIGUSR1 kills the rank
     stop = preempt.PreemptionHandler() if args.checkpoint else None
     job = _Job(args, hpcdp.rank(), hpcdp.size(), stop)
+    _task_defaults(job)
     _check_args(args, job.size)
     _place(job)
     _load_data(job)
@@ -392,6 +431,9 @@ def _setup(args) -> _Job:
 
 def _run(job: _Job, on_step) -> None:
     acc = test_loss = None
+    if job.step == 0:  # where a fresh run starts: what "diverged" compares with
+        acc0, loss0 = _evaluate(job)
+        job.log({"epoch": 0, "test_loss": loss0, "test_acc": acc0, **_metric(job, loss0)})
     for epoch in range(job.step // job.steps, job.args.epochs):
         t0 = time.perf_counter()
         totals = _epoch(job, epoch, on_step)

@@ -127,7 +127,9 @@ def test_log_json_and_onebit_warmup_runs_uncompressed_for_its_steps(tmp_path):
                     timeout=100)
         assert p.returncode == 0, p.stdout + p.stderr
         records = [json.loads(line) for line in log.read_text().splitlines()]
-        assert [r.get("epoch") for r in records] == [1, 2, None] and records[-1]["final"]
+        assert [r.get("epoch") for r in records] == [0, 1, 2, None] and records[-1]["final"]
+        assert records[0]["test_loss"] > records[1]["test_loss"]  # before training
+        records = records[1:]
         printed = _epoch_lines(p.stdout)
         for r, (_, _, loss, acc) in zip(records, printed):  # rank 0 logs what it prints, once
             assert (f"{r['train_loss']:.4f}", f"{r['test_acc']:.4f}") == (loss, acc)
@@ -168,15 +170,19 @@ def test_convergence_tool_compares_to_fp32_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "curves.png"
     p = subprocess.run([sys.executable, "tools/bench/convergence.py", "--np", "2", "--epochs", "2",
-                        "--compressions", "none,fp16", "--out", str(tmp_path), "--png", str(png),
+                        "--tasks", "digits-mlp", "--optimizers", "sgd", "--compressions", "fp16",
+                        "--seeds", "0", "--out", str(tmp_path), "--png", str(png),
                         "--timeout", "150"], capture_output=True, text=True, timeout=200,
                        env=mpi_env(), cwd=str(ROOT))
-    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.returncode in (0, 1), p.stdout + p.stderr
     rows = [json.loads(line) for line in p.stdout.splitlines()]
-    assert [(r["compression"], r["np"], r["epochs"]) for r in rows] == [("none", 2, 2), ("fp16", 2, 2)]
-    finals = [json.loads((tmp_path / f"{c}.jsonl").read_text().splitlines()[-1])["test_acc"]
-              for c in ("none", "fp16")]
-    assert [r["final_test_acc"] for r in rows] == finals
-    assert rows[1]["diff_points"] == round(100 * (finals[1] - finals[0]), 3)
-    assert "within" not in rows[0] and rows[1]["within"] == (abs(rows[1]["diff_points"]) <= 0.5)
+    runs = [r for r in rows if r["bench"] == "convergence-run"]
+    cells = [r for r in rows if r["bench"] == "convergence"]
+    assert [(r["compression"], r["np"], r["seed"]) for r in runs] == [("none", 2, 0), ("fp16", 2, 0)]
+    finals = [json.loads((tmp_path / f"digits-mlp-sgd-{c}-s0.jsonl").read_text().splitlines()[-1])
+              ["test_acc"] for c in ("none", "fp16")]
+    assert [r["final"] for r in runs] == finals and not any(r["diverged"] for r in runs)
+    assert cells[1]["diff"] == round(100 * (finals[1] - finals[0]), 3)
+    assert "within" not in cells[0] and cells[1]["within"] == (-cells[1]["diff"] <= 0.5)
+    assert p.returncode == (0 if cells[1]["within"] else 1)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -18,13 +18,16 @@ Modes:
                 level from ``HPCDP_TRACE_LEVEL``, default 1): the tracing overhead
 ``ddp``         ``torch.nn.parallel.DistributedDataParallel`` on gloo (defaults)
 
-``--compression none,fp16,onebit`` runs every hpcdp mode once per listed
-compressor, in the same rounds as the other modes (``onebit`` is
-``OneBit(warmup_steps=0)``: it compresses from its first step). Naive and
-ddp always reduce in float32.
+``--compression none,fp16,onebit,powersgd:4`` runs every hpcdp mode once per
+listed compressor, in the same rounds as the other modes. ``onebit`` uses the
+compressed-momentum optimizer (``hpcdp.optim.OneBitSGD`` / ``OneBitAdam``,
+what trains) with one exact warm-up step, and ``powersgd`` (``powersgd:R``)
+compresses from its second step: the untimed warm-up steps cover both. Naive
+and ddp always reduce in float32.
 
 A step is ``zero_grad``, forward, cross-entropy, backward (plus the naive
-mode's reduction) and ``SGD.step``. Data: the seed notebook's synthetic data
+mode's reduction) and the optimizer's step: ``--optimizer sgd`` (default, with
+``--momentum``, default 0.9) or ``adam``, the same for every mode. Data: the seed notebook's synthetic data
 (as wide as the model's input, also for ``digits``), 4 pre-generated global
 batches, cycled. ``--device cuda`` puts models and batches on each rank's
 GPU: every step then ends with ``torch.cuda.synchronize()``, naive passes
@@ -107,10 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bucket-sweep", default="1,5,100",
                     help="extra hpcdp bucket sizes in MiB (comma-separated; '' for none)")
     ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"],
+                    help="every mode's optimizer (onebit: its compressed-momentum twin)")
+    ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--compression", default="none",
-                    help="hpcdp gradient compression, comma-separated from: " + ", ".join(COMPRESSOR_NAMES)
-                    + "; every hpcdp mode runs once per entry, in the same run (default: none)")
+                    help="hpcdp compression, comma-separated from: " + ", ".join(COMPRESSOR_NAMES)
+                    + ", powersgd:R; every hpcdp mode runs once per entry, in the same run "
+                      "(default: none)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="models and batches on the CPU or on this rank's GPU (cuda:local_rank)")
     ap.add_argument("--trace-dir", default=None, metavar="DIR",
@@ -154,7 +161,8 @@ class _Runner:
                 trace = os.path.join(comms["trace_dir"],
                                      f"{model_name}-{self.compression or 'none'}-{self.bucket_mb:g}mb")
             self.ddp = net = hpcdp.DistributedDataParallel(self.model, bucket_cap_mb=self.bucket_mb,
-                                                           overlap=self.overlap, compression=self.compression,
+                                                           overlap=self.overlap,
+                                                           compression=_compressor(self.compression),
                                                            gradient_as_bucket_view=self.as_view,
                                                            trace=trace)
         elif self.mode == "ddp":
@@ -165,11 +173,26 @@ class _Runner:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._stamp)
         self.net = net
-        self.opt = torch.optim.SGD(net.parameters(), lr=args.lr)
+        self.opt = self._optimizer(args)
         self.active = self.mode != "single" or rt.rank == 0
         self.counter = 0
         self.times, self.exposed = [], []
         self.bytes_before = None
+
+    def _optimizer(self, args):
+        """The run's optimizer; onebit's compressed-momentum twin (one exact warm-up step)."""
+        import torch
+
+        from ..optim import OneBitAdam, OneBitSGD
+        adam = args.optimizer == "adam"
+        if self.compression == "onebit":
+            if adam:
+                return OneBitAdam(self.net, lr=args.lr, warmup_steps=1, overlap=self.overlap)
+            return OneBitSGD(self.net, lr=args.lr, momentum=args.momentum, warmup_steps=1,
+                             overlap=self.overlap)
+        if adam:
+            return torch.optim.Adam(self.net.parameters(), lr=args.lr)
+        return torch.optim.SGD(self.net.parameters(), lr=args.lr, momentum=args.momentum)
 
     def _stamp(self, _param) -> None:
         self.last_grad_t = time.perf_counter()
@@ -221,6 +244,15 @@ class _Runner:
         if self.ddp is not None:
             return self.ddp.comm_stats["bytes_sent"]
         return None
+
+
+def _compressor(name):
+    """The DDP's compression: names as given; powersgd compressing from its second step
+    (the first re-lays the buckets out, which restarts their state)."""
+    if name is None or not name.startswith("powersgd"):
+        return name
+    from ..compress import PowerSGD, get_compressor
+    return PowerSGD(get_compressor(name).rank, start_steps=2)
 
 
 def _sleep_until_all_arrive(comm) -> None:
@@ -305,7 +337,9 @@ class _Bench:
                "exposed_comm_s": statistics.median(r.exposed_times),
                "step_time_min_s": min(r.step_times), "step_time_max_s": max(r.step_times),
                "steps": self.steps, "warmup": self.warmup, "rounds": self.rounds,
-               "threads": self.args.threads, "mpi": self.rt.vendor, "device": str(r.device)}
+               "threads": self.args.threads, "mpi": self.rt.vendor, "device": str(r.device),
+               "optimizer": self.args.optimizer, "lr": self.args.lr,
+               "momentum": self.args.momentum if self.args.optimizer == "sgd" else None}
         if r.bucket_mb is not None:
             rec["bucket_cap_mb"] = r.bucket_mb
             rec["overlap"] = r.overlap
@@ -369,16 +403,19 @@ def _bench_model(model_name, variants, compressions, args, rt, comms) -> bool:
 def _lists(args):
     """``(models, modes, compressions, bucket sweep)`` from the comma-separated options, or
     an error message."""
-    from ..compress.registry import COMPRESSOR_NAMES
+    from ..compress.registry import get_compressor
     from ..torch.zoo import MODELS
     models, modes = _csv(args.model), _csv(args.modes)
     comp_names = _csv(args.compression) or ["none"]
     bad = [m for m in models if m not in MODELS] + [m for m in modes if m not in _MODES]
     if bad:
         return f"unknown model or mode: {', '.join(bad)}"
-    if any(c not in COMPRESSOR_NAMES for c in comp_names) or len(set(comp_names)) != len(comp_names):
-        return (f"--compression takes distinct names from {', '.join(COMPRESSOR_NAMES)}, "
-                f"got {args.compression!r}")
+    try:
+        [get_compressor(c) for c in comp_names]
+    except ValueError as exc:
+        return f"--compression: {exc}"
+    if len(set(comp_names)) != len(comp_names):
+        return f"--compression takes distinct names, got {args.compression!r}"
     try:
         sweep = [float(v) for v in _csv(args.bucket_sweep)]
     except ValueError:

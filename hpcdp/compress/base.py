@@ -20,7 +20,14 @@ and moves the frames, and calls the codec at fixed points named by
        into one frame (server error feedback);
     3. ``decode(gathered, x)``: every rank decodes the same N server frames.
 
-State: ``new_state(numel, world_size, rank, name)`` makes a bucket's state
+``"lowrank"`` (:class:`~hpcdp.compress.powersgd.PowerSGD`), per bucket, with state:
+    1. ``project(x, state)``: a float32 buffer (P factors, uncompressed tensors) that
+       the transport sums over ranks with the plain ring;
+    2. ``back_project(x, p, state)``: from the summed ``p``, the Q factors, summed likewise;
+    3. ``decode(x, p, q, state, N)``: the approximation, the same bits on every rank.
+
+State: ``new_state(numel, world_size, rank, name, shapes=None)`` makes a bucket's state
+(``shapes``: those of the tensors in the bucket, for compressors that use them)
 (:class:`BucketState`, or :class:`~hpcdp.compress.memory.OneBitState` with the
 residuals); it round-trips through ``state_dict()`` / ``load_state_dict()``;
 :class:`~hpcdp.compress.state.StateStore` owns the states of a process.

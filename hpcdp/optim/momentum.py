@@ -13,15 +13,13 @@ reducer of an :class:`hpcdp.DistributedDataParallel` model. Per step:
    server error feedback (:class:`hpcdp.compress.OneBit`); every rank adopts the
    decoded average as its momentum, and the update uses it.
 3. 1-bit cannot encode zero, so what is known to be zero is not taken from it:
-   a parameter whose gradient was exactly zero on every rank this step (one flag
-   per parameter, averaged exactly after the buckets) takes the exact momentum
-   ``beta * m (+ c * wd * p)``; and the elements whose momentum (SGD) or second
-   moment (Adam) is exactly zero when the warm-up ends (gradients that were zero
-   throughout it: constant input pixels, masked or pruned weights) are masked:
-   their momentum stays exactly zero (DeepSpeed's momentum masks, found
-   automatically). SGD: should a masked element get a gradient on any rank later
-   (a second flag per parameter), the parameter's mask is dropped from the next
-   step. Adam: the mask stays (its frozen second moment is zero there, so a
+   the elements whose momentum (SGD) or second moment (Adam) is exactly zero when
+   the warm-up ends (gradients that were zero throughout it: unused or frozen
+   parameters, constant input pixels, masked or pruned weights) are masked: their
+   momentum stays exactly zero and they do not move (DeepSpeed's momentum masks,
+   found automatically). SGD: should a masked element get a gradient on any rank
+   later (a flag per masked parameter, summed exactly after the buckets), the
+   parameter's mask is dropped from the next step. Adam: the mask stays (its frozen second moment is zero there, so a
    1-bit momentum would be divided by ``eps``); a warm-up that sees every input
    avoids it.
 
@@ -98,8 +96,8 @@ class CompressedMomentum(torch.optim.Optimizer):
         self.compressor = OneBit(impl=impl)
         self.steps = 0
         self._group_of = self._groups_by_index(reducer)
-        # row 0: the gradient is not all zero; row 1: a masked element got a gradient
-        self._flags = torch.zeros(2, len(reducer.params), dtype=torch.float32,
+        # per parameter: a masked element got a gradient (SGD then drops the mask)
+        self._flags = torch.zeros(len(reducer.params), dtype=torch.float32,
                                   device=reducer.params[0].device)
         self._versions = None  # .grad versions right after the exchange (overlap check)
         reducer.couple(self)
@@ -132,9 +130,9 @@ class CompressedMomentum(torch.optim.Optimizer):
         for i, g in zip(members, grads):
             p, group = params[i], self._group_of[i]
             state = self.state[p]
-            self._flags[0, i] = g.any()
             mask = self._mask(state, p)
-            self._flags[1, i] = False if mask is None else g[mask].any()
+            if self.unmask and mask is not None:
+                self._flags[i] = g[mask].any()
             if group["weight_decay"]:
                 g.add_(p, alpha=group["weight_decay"])
             if self._grad_weight(group) != 1.0:
@@ -182,19 +180,28 @@ class CompressedMomentum(torch.optim.Optimizer):
         else:
             self._check_untouched()
         self._versions = None
-        from ..collectives import allreduce
-        nonzero, unmask = allreduce(self._flags, op="sum", check=False,
-                                    name=f"{self._owner} zero-gradient flags").tolist()
+        unmask = self._unmask_flags()
         for i, p in enumerate(reducer.params):
             if p.grad is None:
                 continue
             state = self.state[p]
-            mask = state.get("zero_mask")
-            if nonzero[i] and mask is not None:
-                p.grad[mask] = 0  # the exact momentum of elements without gradients
-            self._compressed_update(p, p.grad if nonzero[i] else None, self._group_of[i], state)
-            if unmask[i] and self.unmask:
+            if state.get("zero_mask") is not None:
+                p.grad[state["zero_mask"]] = 0  # the exact momentum of elements without gradients
+            self._compressed_update(p, p.grad, self._group_of[i], state)
+            if unmask[i]:
                 state["zero_mask"] = None
+
+    def _unmask_flags(self) -> list:
+        """Per parameter: did a masked element get a gradient on some rank (summed exactly;
+        only when masks can be dropped and there are any, which every rank knows alike)."""
+        params = self._reducer.params
+        if not self.unmask or all(self.state[p].get("zero_mask") is None for p in params):
+            return [0.0] * len(params)
+        from ..collectives import allreduce
+        flags = allreduce(self._flags, op="sum", check=False, name=f"{self._owner} mask flags")
+        out = flags.tolist()
+        self._flags.zero_()
+        return out
 
     def _check_untouched(self) -> None:
         for name, p, v in zip(self._reducer.names, self._reducer.params, self._versions):

@@ -68,12 +68,7 @@ class OneBitSGD(CompressedMomentum):
 
     def _compressed_update(self, p, averaged, group, state):
         m = self._buffer(state, p)
-        if averaged is not None:
-            m.copy_(averaged)
-        else:  # the gradient was zero on every rank: the exact momentum
-            m.mul_(group["momentum"])
-            if group["weight_decay"]:
-                m.add_(p, alpha=group["weight_decay"])
+        m.copy_(averaged)
         p.add_(m, alpha=-group["lr"])
 
 
@@ -140,18 +135,11 @@ class OneBitAdam(CompressedMomentum):
         u.div_(state["denom"]).clamp_(-1.0, 1.0)
 
     def _compressed_update(self, p, averaged, group, state):
-        b1 = group["betas"][0]
+        """``averaged`` is the averaged update direction: ``m`` is it times the denominator."""
         m = self._buffer(state, p)
         state["step"] += 1
-        bc1 = 1 - b1 ** state["step"]
-        if averaged is not None:  # the averaged update direction
-            m.copy_(averaged).mul_(state["denom"])
-            p.add_(averaged, alpha=-group["lr"] / bc1)
-            return
-        m.mul_(b1)  # the gradient was zero on every rank: the exact first moment
-        if group["weight_decay"]:
-            m.add_(p, alpha=(1 - b1) * group["weight_decay"])
-        p.addcdiv_(m, state["denom"], value=-group["lr"] / bc1)
+        m.copy_(averaged).mul_(state["denom"])
+        p.add_(averaged, alpha=-group["lr"] / (1 - group["betas"][0] ** state["step"]))
 
     def _denom(self, state, group):
         """``sqrt(v) / sqrt(bc2) + eps`` (torch's order of operations)."""

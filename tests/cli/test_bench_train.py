@@ -89,11 +89,14 @@ def test_bad_arguments_exit_2():
     assert p.returncode == 2 and "bucket_cap_mb and first_bucket_mb must be > 0" in p.stderr
 
 
-@pytest.mark.parametrize("spec", ["none,int8", "fp16,fp16"])
-def test_bad_compression_list_exits_2_before_mpi(spec, capsys):
+@pytest.mark.parametrize("spec, message", [
+    ("none,int8", "unknown compressor 'int8'; valid names: none, fp16, bf16, onebit, powersgd"),
+    ("fp16,fp16", "--compression takes distinct names, got 'fp16,fp16'"),
+    ("powersgd:x", "the rank after 'powersgd:' must be an integer >= 1")])
+def test_bad_compression_list_exits_2_before_mpi(spec, message, capsys):
     from hpcdp.cli.bench_train import main
     assert main(["--compression", spec]) == 2
-    assert "--compression takes distinct names from none, fp16, bf16, onebit" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.timeout(180)

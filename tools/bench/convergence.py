@@ -1,56 +1,73 @@
 #!/usr/bin/env python3
-r"""Convergence of the compressions on digits: the acceptance runs of docs/compression.md.
+r"""The convergence matrix: tasks x compressors x optimizers x seeds, at the task's defaults.
 
-Runs ``mpirun -np NP python -m hpcdp.train --log-json ...`` once per compression
-(default: none, fp16, onebit) with the same seed, epochs, learning rate and momentum,
-prints one JSON line per compression::
+Every cell trains with ``mpirun -np NP python -m hpcdp.train --task T --optimizer O
+--compression C --seed S`` and nothing else: the task's default hyperparameters for the
+optimizer, chosen for fp32 (hpcdp/torch/tasks.py), so every compressed cell runs at its fp32
+cell's settings. One JSON line per run, then one per cell (task, optimizer, compressor)::
 
-    {"bench": "convergence", "model": "digits", "np": 4, "compression": "onebit",
-     "warmup": 92, "epochs": 20, "lr": 0.5, "momentum": 0.0, "seed": 0,
-     "final_test_acc": 0.9722, "diff_points": 0.556, "final_train_loss": ..., "wall_s": ...,
-     "log": "out/convergence/onebit.jsonl", "tolerance_points": 1.5, "within": true}
+    {"bench": "convergence", "task": "digits-mlp", "optimizer": "sgd", "compression": "onebit",
+     "np": 4, "seeds": [0, 1, 2], "metric": "accuracy", "finals": [...], "median": 0.972,
+     "fp32_median": 0.975, "diff": -0.28, "unit": "points", "bound": 1.5, "within": true,
+     "diverged": 0, ...}
 
-(``diff_points``: final test accuracy minus fp32's, in percentage points;
-``tolerance_points`` and ``within``: issue #4's bounds, 0.5 for fp16/bf16 and 1.5
-for onebit, on the absolute difference), and plots the training loss, test loss and
-test accuracy per epoch of all runs into one PNG (matplotlib, imported only then).
+``diff``: the cell's median minus fp32's, in percentage points (accuracy) or in % of fp32's
+validation loss (lm, bits per byte: positive is worse); ``bound``: 0.5 points / 1 % for
+fp16 and bf16, 1.5 points / 3 % for onebit and powersgd. A run *diverges* when its final
+loss is not finite or above its initial loss, or its accuracy is below twice chance (lm:
+its validation loss above the initial). Runs whose log already has a final record are
+reused (``--fresh`` reruns them), so the matrix can be built in parts::
 
-    python tools/bench/convergence.py --np 4 --lr 0.5 --momentum 0 --warmup 92 --seed 0 \
-        --png docs/img/convergence-digits-np4.png     # docs/compression.md, section 8
+    python tools/bench/convergence.py --tasks digits-mlp,digits-cnn \
+        --png docs/img/convergence.png > docs/results/convergence.jsonl
 
-Each run has a hard timeout (``--timeout``): on expiry the launcher's whole process
-group is killed and the script exits 1, as it does when a run fails.
+Each run has a hard timeout (``--timeout``): on expiry the launcher's process group is
+killed and the run counts as failed.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TOLERANCE_POINTS = {"fp16": 0.5, "bf16": 0.5, "onebit": 1.5}  # issue #4, against fp32 ("none")
+BOUNDS = {"fp16": (0.5, 1.0), "bf16": (0.5, 1.0), "onebit": (1.5, 3.0), "powersgd": (1.5, 3.0)}
+CHANCE = 0.1  # ten digit classes
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--np", type=int, default=4, help="MPI ranks (default: 4)")
-    ap.add_argument("--compressions", default="none,fp16,onebit",
-                    help="comma-separated; 'none' (fp32) first is the reference (default: %(default)s)")
-    ap.add_argument("--epochs", type=int, default=20)
-    ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--momentum", type=float, default=0.9)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup", type=int, default=None, metavar="N",
-                    help="onebit's --compression-warmup (default: none given, i.e. 0)")
-    ap.add_argument("--model", default="digits")
-    ap.add_argument("--out", default="out/convergence", help="directory of the --log-json files")
-    ap.add_argument("--png", default=None, help="write the loss/accuracy plot here")
+    ap.add_argument("--tasks", default="digits-mlp,digits-cnn,lm")
+    ap.add_argument("--compressions", default="none,fp16,bf16,onebit,powersgd",
+                    help="'none' (fp32), the reference, is always run")
+    ap.add_argument("--optimizers", default="sgd,adam")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--out", default="out/convergence", help="directory of the runs' --log-json files")
+    ap.add_argument("--png", default=None, help="write the curves (seed 0) here")
+    ap.add_argument("--epochs", type=int, default=None,
+                    help="every run's epochs (default: the task's; fewer for a quick check only)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds per training run")
+    ap.add_argument("--fresh", action="store_true", help="rerun runs that already have a log")
     return ap
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    # as tools/run-tests.sh: Open MPI needs these as root and for more ranks than cores
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_btl", "^ofi")
+    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def _launcher() -> str:
@@ -58,27 +75,17 @@ def _launcher() -> str:
     return str(cand) if cand.exists() else "mpirun"
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    # as tools/run-tests.sh: Open MPI needs these as root and for more ranks than cores; MPICH ignores them
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMPI_MCA_btl", "^ofi")
-    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # oversubscribed: do not spin
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def train(args, compression: str, log: Path) -> list[dict]:
-    """One training run; returns its --log-json records (the last one is the final record)."""
-    cmd = [_launcher(), "-np", str(args.np), sys.executable, "-m", "hpcdp.train",
-           "--model", args.model, "--compression", compression, "--epochs", str(args.epochs),
-           "--lr", repr(args.lr), "--momentum", repr(args.momentum), "--seed", str(args.seed),
-           "--progress", "never", "--log-json", str(log)]
-    if compression == "onebit" and args.warmup is not None:
-        cmd += ["--compression-warmup", str(args.warmup)]
+def run(args, task, opt, comp, seed) -> list[dict]:
+    """One training run (or its existing log); its --log-json records, or [] if it failed."""
+    log = Path(args.out) / f"{task}-{opt}-{comp.replace(':', '')}-s{seed}.jsonl"
+    if log.exists() and not args.fresh:
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        if records and records[-1].get("final"):
+            return records
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [_launcher(), "-np", str(args.np), sys.executable, "-m", "hpcdp.train", "--task", task,
+           "--optimizer", opt, "--compression", comp, "--seed", str(seed), "--progress", "never",
+           "--log-json", str(log)] + ([] if args.epochs is None else ["--epochs", str(args.epochs)])
     print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, cwd=str(ROOT), env=_env(), start_new_session=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -87,36 +94,82 @@ def train(args, compression: str, log: Path) -> list[dict]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
         proc.communicate()
-        raise SystemExit(f"convergence: {compression}: no result within {args.timeout:.0f} s")
-    if proc.returncode != 0:
-        raise SystemExit(f"convergence: {compression}: exit status {proc.returncode}\n{out}")
-    records = [json.loads(line) for line in log.read_text().splitlines()]
-    if not records or not records[-1].get("final"):
-        raise SystemExit(f"convergence: {compression}: {log} has no final record\n{out}")
+        print(f"convergence: {log.name}: no result within {args.timeout:.0f} s", file=sys.stderr)
+        return []
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] \
+        if log.exists() else []
+    if proc.returncode != 0 or not records or not records[-1].get("final"):
+        print(f"convergence: {log.name}: exit status {proc.returncode}\n{out[-2000:]}", file=sys.stderr)
     return records
 
 
-def plot(runs: dict[str, list[dict]], title: str, path: Path) -> None:
+def final_value(records, metric) -> float:
+    """Final test accuracy, or (lm) validation bits per byte; NaN for a failed run."""
+    if not records or not records[-1].get("final"):
+        return math.nan
+    return records[-1]["bits_per_byte" if metric == "bits_per_byte" else "test_acc"]
+
+
+def diverged(records, metric) -> bool:
+    if not records or not records[-1].get("final"):
+        return True
+    first, last = records[0], records[-1]
+    if not math.isfinite(last["test_loss"]) or last["test_loss"] > first["test_loss"]:
+        return True
+    return metric == "accuracy" and last["test_acc"] < 2 * CHANCE
+
+
+def run_record(task, opt, comp, seed, records, metric) -> dict:
+    last = records[-1] if records else {}
+    return {"bench": "convergence-run", "task": task, "optimizer": opt, "compression": comp,
+            "seed": seed, "metric": metric, "final": final_value(records, metric),
+            "initial_test_loss": records[0]["test_loss"] if records else None,
+            "final_test_loss": last.get("test_loss"), "diverged": diverged(records, metric),
+            "wall_s": last.get("wall_s"), "np": last.get("world_size"),
+            "lr": (last.get("args") or {}).get("lr"), "corpus": (last.get("task") or {}).get("corpus")}
+
+
+def cell_record(task, opt, comp, runs, ref, metric, seeds) -> dict:
+    finals = [r["final"] for r in runs]
+    median = statistics.median(finals) if all(math.isfinite(f) for f in finals) else math.nan
+    lm = metric == "bits_per_byte"
+    diff = 100 * (median - ref) / ref if lm else 100 * (median - ref)
+    rec = {"bench": "convergence", "task": task, "optimizer": opt, "compression": comp,
+           "np": runs[0]["np"], "seeds": seeds, "metric": metric, "finals": finals, "median": median,
+           "fp32_median": ref, "diff": round(diff, 3), "unit": "%" if lm else "points",
+           "diverged": sum(r["diverged"] for r in runs), "lr": runs[0]["lr"]}
+    bound = BOUNDS.get(comp.split(":")[0])
+    if bound is not None:
+        rec["bound"] = bound[1] if lm else bound[0]
+        # lm: a lower validation loss is better; classification: only a loss of accuracy counts
+        worse = diff if lm else -diff
+        rec["within"] = bool(math.isfinite(diff) and worse <= rec["bound"] and rec["diverged"] == 0)
+    return rec
+
+
+def plot(curves, path: Path) -> None:
+    """One panel per task: the test metric per epoch of seed 0, per optimizer and compressor."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(9, 3.4), constrained_layout=True)
-    for (name, records), color in zip(runs.items(), ("C0", "C1", "C2", "C3")):
-        epochs = [r for r in records if "epoch" in r]
-        x = [r["epoch"] for r in epochs]
-        label = "fp32" if name == "none" else name
-        ax_loss.semilogy(x, [r["train_loss"] for r in epochs], color=color, label=f"{label} train")
-        ax_loss.semilogy(x, [r["test_loss"] for r in epochs], color=color, ls="--", label=f"{label} test")
-        ax_acc.plot(x, [100 * r["test_acc"] for r in epochs], color=color, marker=".",
-                    label=f"{label}: {100 * records[-1]['test_acc']:.2f} %")
-    ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
-    ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy", ylim=(80, 100))
-    ax_loss.legend(fontsize=7, ncol=2)
-    ax_acc.legend(fontsize=8, loc="lower right")
-    for ax in (ax_loss, ax_acc):
+    tasks = sorted({k[0] for k in curves})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), constrained_layout=True,
+                             squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for (t, opt, comp), (metric, records) in sorted(curves.items()):
+            if t != task:
+                continue
+            epochs = [r for r in records if "epoch" in r]
+            key = "bits_per_byte" if metric == "bits_per_byte" else "test_acc"
+            ax.plot([r["epoch"] for r in epochs], [r[key] for r in epochs], ls="-" if opt == "sgd" else "--",
+                    label=f"{opt} {'fp32' if comp == 'none' else comp}")
+        ax.set(title=task, xlabel="epoch",
+               ylabel="validation bits per byte" if task == "lm" else "test accuracy")
+        if task != "lm":
+            ax.set_ylim(0.8, 1.0)
         ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=9)
+        ax.legend(fontsize=6, ncol=2)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -124,31 +177,30 @@ def plot(runs: dict[str, list[dict]], title: str, path: Path) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    names = args.compressions.split(",")
-    if names[0] != "none":
-        raise SystemExit("convergence: --compressions must start with none (the fp32 reference)")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    runs = {name: train(args, name, out / f"{name}.jsonl") for name in names}
-    ref = runs["none"][-1]["test_acc"]
-    for name, records in runs.items():
-        final = records[-1]
-        diff = 100 * (final["test_acc"] - ref)
-        row = {"bench": "convergence", "model": args.model, "np": final["world_size"],
-               "compression": name, "warmup": args.warmup if name == "onebit" else None,
-               "epochs": args.epochs, "lr": args.lr, "momentum": args.momentum, "seed": args.seed,
-               "final_test_acc": final["test_acc"], "diff_points": round(diff, 3),
-               "final_train_loss": records[-2]["train_loss"] if len(records) > 1 else None,
-               "wall_s": round(final["wall_s"], 2), "log": str(out / f"{name}.jsonl")}
-        if name in TOLERANCE_POINTS:
-            row["tolerance_points"] = TOLERANCE_POINTS[name]
-            row["within"] = abs(diff) <= TOLERANCE_POINTS[name]
-        print(json.dumps(row), flush=True)
+    comps = ["none"] + [c for c in args.compressions.split(",") if c and c != "none"]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    curves, failed = {}, False
+    for task in args.tasks.split(","):
+        for opt in args.optimizers.split(","):
+            cells = {}
+            for comp in comps:
+                runs = []
+                for seed in seeds:
+                    records = run(args, task, opt, comp, seed)
+                    metric = "bits_per_byte" if task == "lm" else "accuracy"
+                    runs.append(run_record(task, opt, comp, seed, records, metric))
+                    print(json.dumps(runs[-1]), flush=True)
+                    if seed == seeds[0] and records:
+                        curves[(task, opt, comp)] = (metric, records)
+                cells[comp] = runs
+            ref = statistics.median(r["final"] for r in cells["none"])
+            for comp, runs in cells.items():
+                rec = cell_record(task, opt, comp, runs, ref, runs[0]["metric"], seeds)
+                failed |= rec.get("within") is False
+                print(json.dumps(rec), flush=True)
     if args.png:
-        warm = "" if args.warmup is None else f", onebit warm-up {args.warmup} steps"
-        plot(runs, f"{args.model}, np={args.np}, SGD lr {args.lr} momentum {args.momentum}, "
-                   f"seed {args.seed}, {args.epochs} epochs{warm}", Path(args.png))
-    return 0
+        plot(curves, Path(args.png))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

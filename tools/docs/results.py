@@ -37,6 +37,10 @@ FORMATS = {
     "ms": lambda v: f"{v * 1e3:.1f}",
     "ratio": lambda v: f"{v:.2f}",
     "kb": lambda v: f"{v / 1e3:,.0f}",
+    "metric": lambda v: f"{v:.4f}",
+    "diff": lambda v: f"{v:+.2f}",
+    "bool": lambda v: "yes" if v else "no",
+    "num": lambda v: f"{v:g}",
 }
 
 _TRAIN_COLUMNS = [("model", "model", "str"), ("mode", "mode", "str"), ("compression", "compression", "str"),
@@ -94,6 +98,17 @@ SPECS = {
                    "--compression none,fp16,onebit --steps 20 --warmup 3",
         "where": {"bench": "train"},
         "columns": [("link", "rate", "str")] + _TRAIN_COLUMNS,
+    },
+    "convergence": {
+        "file": "convergence.jsonl",
+        "command": "python tools/bench/convergence.py --np 4 --png docs/img/convergence.png "
+                   "> docs/results/convergence.jsonl",
+        "where": {"bench": "convergence"},
+        "columns": [("task", "task", "str"), ("optimizer", "optimizer", "str"),
+                    ("compression", "compression", "str"), ("lr", "lr", "num"),
+                    ("median of seeds", "median", "metric"), ("fp32 median", "fp32_median", "metric"),
+                    ("difference", "diff", "diff"), ("unit", "unit", "str"), ("bound", "bound", "num"),
+                    ("within", "within", "bool"), ("diverged runs", "diverged", "int")],
     },
     "compress-kernels": {
         "file": "compress.jsonl",
