@@ -186,3 +186,26 @@ def test_convergence_tool_compares_to_fp32_and_plots(tmp_path):
     assert "within" not in cells[0] and cells[1]["within"] == (-cells[1]["diff"] <= 0.5)
     assert p.returncode == (0 if cells[1]["within"] else 1)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("extra", [["--compression", "onebit"],
+                                   ["--compression", "onebit", "--optimizer", "adam"],
+                                   ["--compression", "powersgd"]], ids=["onebit-sgd", "onebit-adam",
+                                                                        "powersgd"])
+def test_compressed_run_killed_then_resumed_ends_bit_for_bit_where_an_unbroken_one_does(
+        tmp_path, extra):
+    """Momentum, frozen second moments, residuals, error memories and Q factors all come
+    back from the checkpoint: the resumed run's parameters equal the unbroken run's."""
+    args = ["--epochs", "3", "--progress", "never", *extra]
+    whole = run_mpi(2, ["-m", "hpcdp.train", *args], timeout=120)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    ckpt = tmp_path / "run.pt"
+    broken = run_mpi(2, ["tests/jobs/fault_train.py", *args, "--checkpoint", str(ckpt)], timeout=120,
+                     env={"HPCDP_FAULT": "kill:50:1"})  # rank 1 dies in epoch 3 (adam's batch 32: 2)
+    assert broken.returncode != 0 and ckpt.exists()
+    resumed = run_mpi(2, ["-m", "hpcdp.train", *args, "--checkpoint", str(ckpt)], timeout=120)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert re.search(r"resumed from .* at step (46|45) ", resumed.stdout)  # after epoch 2 (adam: 1)
+    digest = re.compile(r"params_sha256=([0-9a-f]+)")
+    assert digest.search(resumed.stdout).group(1) == digest.search(whole.stdout).group(1)

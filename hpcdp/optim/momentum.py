@@ -186,7 +186,7 @@ class CompressedMomentum(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             if state.get("zero_mask") is not None:
-                p.grad[state["zero_mask"]] = 0  # the exact momentum of elements without gradients
+                p.grad.masked_fill_(state["zero_mask"], 0)  # elements without gradients: exact
             self._compressed_update(p, p.grad, self._group_of[i], state)
             if unmask[i]:
                 state["zero_mask"] = None
@@ -228,6 +228,9 @@ class CompressedMomentum(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("onebit", None)
         super().load_state_dict(state_dict)
+        for state in self.state.values():  # torch casts every tensor to the parameter's dtype
+            if state.get("zero_mask") is not None:
+                state["zero_mask"] = state["zero_mask"].bool()
         self._group_of = self._groups_by_index(self._reducer)
         if extra is not None:
             self.steps = int(extra["steps"])
