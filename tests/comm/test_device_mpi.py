@@ -13,7 +13,7 @@ import torch
 
 import hpcdp
 from hpcdp.comm.schedule import simulate
-from hpcdp.compress import OneBit
+from hpcdp.compress import OneBit, PowerSGD
 
 from fakegpu import FakeCudaTensor, FakeGPUArray, FakeOps, FakeTorchOps
 
@@ -218,6 +218,28 @@ def test_fake_cuda_onebit_matches_host_over_steps(world, transport, op, n):
         assert stats["bytes_sent"] == 2 * (size - 1) * width
         # staged: frames and the server frame down; received and gathered frames up
         _check_staging(transport, size, (size + 1) * width, 2 * size * width)
+
+
+@pytest.mark.parametrize("n", [0, 7, 70_001])
+def test_fake_cuda_powersgd_matches_host_over_steps(world, transport, n):
+    """PowerSGD computes with torch on the tensor's device: the same bits and error memory
+    as the host path, through its uncompressed start and after."""
+    size, rank = world.Get_size(), world.Get_rank()
+    comp = PowerSGD(rank=2, start_steps=1)
+    host_state = comp.new_state(n, size, rank, name="host")
+    dev_state = comp.new_state(n, size, rank, name="dev")
+    for step in range(3):
+        x = _grads(rank, n, seed=step)
+        host, host_stats = x.copy(), {}
+        hpcdp.allreduce(host, op="avg", compression=comp, state=host_state, stats=host_stats)
+        mem, stats = x.copy(), {}
+        hpcdp.allreduce(FakeCudaTensor.of(mem), op="avg", compression=comp, state=dev_state,
+                        stats=stats)
+        assert mem.tobytes() == host.tobytes(), f"step {step}"
+        assert world.allgather(mem.tobytes()) == [mem.tobytes()] * size
+        assert stats == host_stats
+    if n:
+        assert dev_state.error.numpy().tobytes() == host_state.error.numpy().tobytes()
 
 
 def test_compression_of_other_device_arrays_is_refused(world):
