@@ -95,7 +95,7 @@ SPECS = {
         "file": "cluster-train.jsonl",
         "command": "python tools/cluster/bench_train.py --rates 1gbit --out docs/results/cluster-train.jsonl "
                    "-- --model mlp-large --global-batch 128 --modes naive,hpcdp,ddp --bucket-sweep '' "
-                   "--compression none,fp16,onebit --steps 20 --warmup 3",
+                   "--compression none,fp16,onebit,powersgd:4 --steps 20 --warmup 3",
         "where": {"bench": "train"},
         "columns": [("link", "rate", "str")] + _TRAIN_COLUMNS,
     },
