@@ -74,7 +74,8 @@ class Handle:
 
 
 class Engine:
-    def __init__(self, comm, MPI, mode: str | None = None, yield_cpu: bool = False):
+    def __init__(self, comm, MPI, mode: str | None = None, yield_cpu: bool = False,
+                 thread_setup=None):
         self.comm = comm
         self.MPI = MPI
         self.mode = mode or os.environ.get("HPCDP_PROGRESS", "thread")
@@ -92,6 +93,9 @@ class Engine:
         # wait by testing requests and yielding the core between tests, instead of
         # inside MPI (see hpcdp.comm.waiting: more ranks than cores, an MPI that spins)
         self.yield_cpu = yield_cpu
+        # called on the thread that starts the progress thread; the progress thread first
+        # runs what it returns (per-thread settings such as torch's intra-op thread count)
+        self.thread_setup = thread_setup
 
     # -- submission --------------------------------------------------------------
     def submit(self, gen, name: str, result=None, where=None) -> Handle:
@@ -246,10 +250,14 @@ class Engine:
     # -- the progress thread ------------------------------------------------------
     def _ensure_thread(self):
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="hpcdp-progress", daemon=True)
+            setup = self.thread_setup() if self.thread_setup is not None else None
+            self._thread = threading.Thread(target=self._loop, args=(setup,), name="hpcdp-progress",
+                                            daemon=True)
             self._thread.start()
 
-    def _loop(self):
+    def _loop(self, setup=None):
+        if setup is not None:
+            setup()
         MPI = self.MPI
         while True:
             with self._cv:

@@ -8,7 +8,7 @@ Each is a real dataset that is on every machine without a download:
 * ``digits-cnn``: the same images as 1x8x8, two 3x3 convolutions with BatchNorm,
   max pooling, dropout 0.25 and two linear layers (:class:`DigitsCNN`, 38k parameters).
 * ``lm``: a byte-level causal transformer (:class:`ByteLM`: 2 pre-LayerNorm blocks,
-  width 128, 4 heads, ``scaled_dot_product_attention``, 279k parameters) on the Python
+  width 96, 4 heads, ``scaled_dot_product_attention``, 279k parameters) on the Python
   standard library's own ``*.py`` files (those directly in ``sysconfig``'s stdlib
   directory, up to 64 kB each, in an order seeded by ``CORPUS_SEED``): about 90 kB of
   validation files, then about 900 kB of training files, split by file, cut into
