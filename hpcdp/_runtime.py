@@ -73,6 +73,16 @@ class _Runtime:
         self._tmp = {}
         self._staging = {}
         self._scratch = {}
+        self._node_window = None
+
+    def node_window(self):
+        """The node's shared window for ``algo="shm"``: allocated on first use (a collective
+        over the node, reached by every rank at the same operation) and kept until MPI ends."""
+        if self._node_window is None:
+            from .comm.shm import SHM_CAPACITY, NodeWindow
+            capacity = int(os.environ.get("HPCDP_SHM_BYTES", SHM_CAPACITY))
+            self._node_window = NodeWindow(self.local, self.MPI, capacity)
+        return self._node_window
 
     # reusable temporaries, one per (kind, dtype): operations never run concurrently
     def tmp(self, buf, nelem):

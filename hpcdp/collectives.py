@@ -19,6 +19,7 @@ from .comm.dtypes import dtype_from_code
 from .comm.engine import Handle, rank_ranges
 from .comm.op import OpContext
 from .comm.ring import CodecFrames, PlainFrames, RingConfig, ring_allreduce, ring_allreduce_blocking
+from .comm.shm import shm_allreduce
 from .comm.spaces import space_for
 from .comm.lowrank import lowrank_allreduce
 from .comm.twophase import twophase_allreduce
@@ -33,6 +34,9 @@ __all__ = ["allreduce", "allreduce_async", "synchronize", "broadcast", "broadcas
 _OPS = {"sum": 1, "avg": 2}
 _OP_NAMES = {v: k for k, v in _OPS.items()}
 _ALLREDUCE, _BROADCAST = 1, 2
+#: allreduce algorithms for uncompressed host buffers (``algo=``, ``HPCDP_ALGO``)
+ALGOS = ("ring", "shm")
+_ALGO_SHIFT = 8  # the argument check carries the algorithm above the compressor's code
 
 _cfg = RingConfig(int(os.environ.get("HPCDP_SEGMENT_BYTES", 1 << 20)),
                   int(os.environ.get("HPCDP_WINDOW", 4)))
@@ -61,7 +65,9 @@ def _check_gen(ctx, what: str, kind: int, buf, op: int, extra: int):
 def _describe(fields) -> str:
     kind, n, dtype, op, extra = fields
     if kind == _ALLREDUCE:
-        tail = f", op={_OP_NAMES.get(op, op)}, compression={code_name(extra)}"
+        algo = ALGOS[extra >> _ALGO_SHIFT] if extra >> _ALGO_SHIFT < len(ALGOS) else extra >> _ALGO_SHIFT
+        tail = (f", op={_OP_NAMES.get(op, op)}, compression={code_name(extra & ((1 << _ALGO_SHIFT) - 1))}"
+                f", algo={algo}")
         return f"allreduce of {n} elements of {dtype_from_code(dtype)}{tail}"
     return f"broadcast of {n} elements of {dtype_from_code(dtype)}, root={extra}"
 
@@ -79,12 +85,16 @@ def _raise_mismatch(rank: int, what: str, buf, everyone: list) -> None:
 
 
 # -- allreduce --------------------------------------------------------------------------------
-def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, state):
-    """Generator: the check, then the plain ring, a ring codec's ring or a two-phase codec."""
+def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, state, algo="ring"):
+    """Generator: the check, then the shared-memory allreduce, the plain ring, a ring codec's
+    ring or a two-phase codec."""
     if check:
-        yield from _check_gen(ctx, "allreduce", _ALLREDUCE, buf, op, code(comp))
+        extra = code(comp) | ALGOS.index(algo) << _ALGO_SHIFT
+        yield from _check_gen(ctx, "allreduce", _ALLREDUCE, buf, op, extra)
     average = op == _OPS["avg"]
-    if comp is None:
+    if algo == "shm":
+        yield from shm_allreduce(ctx, rt.node_window(), buf, average)
+    elif comp is None:
         yield from _plain_gen(rt, ctx, buf, average, blocking)
     elif comp.collective == "two_phase":
         state = rt.codec_states.get(comp, buf.name, buf.n) if state is None else state
@@ -154,6 +164,15 @@ def _small_allreduce(rt, ctx, buf, op: int, check: bool) -> None:
     _one_message_ring(rt, ctx, buf, op == _OPS["avg"])
 
 
+def _shm_blocking(rt, ctx, buf, op: int, check: bool) -> None:
+    """A blocking call of ``algo="shm"`` as one plain function: the check, then the shared-memory
+    allreduce driven right here (the engine calls it directly when idle)."""
+    if check:
+        drive(ctx.MPI, _check_gen(ctx, "allreduce", _ALLREDUCE, buf, op, ALGOS.index("shm") << _ALGO_SHIFT),
+              ctx.yield_cpu)
+    drive(ctx.MPI, shm_allreduce(ctx, rt.node_window(), buf, op == _OPS["avg"]), ctx.yield_cpu)
+
+
 def _fits_one_message(buf, size: int) -> bool:
     return -(-buf.n // size) * buf.dtype.itemsize <= _cfg.segment_bytes
 
@@ -182,7 +201,7 @@ def _parse_op(op: str, buf) -> int:
 
 def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = True,
                     stats: dict | None = None, compression=None, state=None,
-                    on_step=None) -> Handle:
+                    on_step=None, algo: str | None = None) -> Handle:
     """Start an in-place allreduce of ``x``; returns a :class:`Handle`.
 
     ``x``: contiguous numpy array, torch tensor (CPU or CUDA) or device array.
@@ -197,34 +216,54 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     runtime keeps for ``name`` and this length. ``on_step``: called
     from the progress engine after each ring step (1-bit: each of its two
     phases) as ``on_step(index, t0_ns, t1_ns, bytes_sent, bytes_recv)``, times
-    from ``time.perf_counter_ns`` (what level-2 traces record).
+    from ``time.perf_counter_ns`` (what level-2 traces record). ``algo``: ``"ring"``
+    or ``"shm"`` (every rank on one node: reduced through the node's shared memory, see
+    :mod:`hpcdp.comm.shm`), default ``$HPCDP_ALGO`` or ``"ring"``; it applies to uncompressed
+    host buffers, device buffers and compressed calls keep their own schedules.
     ``x`` must not be touched until the handle completes.
     """
     rt = runtime("allreduce_async()")
     return rt.engine.submit(*_prepare_allreduce(rt, x, op, name, check, False, stats, compression,
-                                                state, on_step))
+                                                state, on_step, algo))
 
 
 def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
-              stats: dict | None = None, compression=None, state=None):
+              stats: dict | None = None, compression=None, state=None, algo: str | None = None):
     """In-place allreduce of ``x`` (blocking); returns ``x``. See :func:`allreduce_async`."""
     rt = runtime("allreduce()")
     return rt.engine.run(*_prepare_allreduce(rt, x, op, name, check, True, stats, compression, state,
-                                             None))
+                                             None, algo))
 
 
-def _prepare_allreduce(rt, x, op, name, check, blocking, stats, compression, state, on_step):
+def _pick_algo(rt, algo, buf, comp) -> str:
+    """The algorithm this call runs: ``algo`` or ``$HPCDP_ALGO``, where it applies."""
+    algo = algo or os.environ.get("HPCDP_ALGO") or "ring"
+    if algo not in ALGOS:
+        raise ValueError(f"rank {rt.rank}: allreduce of {buf.name!r}: algo must be one of "
+                         f"{', '.join(ALGOS)} (argument or HPCDP_ALGO), got {algo!r}")
+    if algo == "shm" and rt.local_size != rt.size:
+        raise ValueError(f"rank {rt.rank}: allreduce of {buf.name!r}: algo='shm' needs every rank "
+                         f"on one node, and this job's {rt.size} ranks are on {len(set(rt.hostnames))} "
+                         "nodes: use algo='ring'")
+    return "shm" if algo == "shm" and buf.kind == "host" and comp is None else "ring"
+
+
+def _prepare_allreduce(rt, x, op, name, check, blocking, stats, compression, state, on_step,
+                       algo=None):
     """``(operation, name, result, where)`` for the engine: a plain function for the blocking
     one-message case, else a generator."""
     buf = as_buffer(x, name or "tensor")
     opcode = _parse_op(op, buf)
     comp = None if compression is None else resolve(compression, buf.name, buf.dtype.name,
                                                     _device_of(buf))
+    algo = _pick_algo(rt, algo, buf, comp)
     ctx = OpContext(rt.comm, rt.MPI, rt.engine.next_tag(), stats, on_step, rt.engine.yield_cpu)
-    if blocking and comp is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
+    if algo == "shm" and blocking:
+        run = functools.partial(_shm_blocking, rt, ctx, buf, opcode, check)
+    elif algo == "ring" and blocking and comp is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
         run = functools.partial(_small_allreduce, rt, ctx, buf, opcode, check)
     else:
-        run = _allreduce_gen(rt, ctx, buf, opcode, check, blocking, comp, state)
+        run = _allreduce_gen(rt, ctx, buf, opcode, check, blocking, comp, state, algo)
     return run, f"allreduce({buf.name})", x, ctx.where
 
 

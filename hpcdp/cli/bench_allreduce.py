@@ -1,5 +1,6 @@
 """``hpcdp-bench allreduce``: hpcdp's ring against the MPI library's own
-``MPI_Allreduce`` (and torch gloo with ``--gloo``), in the same run, same buffers.
+``MPI_Allreduce`` (and hpcdp's shared-memory allreduce with ``--shm``, torch gloo with
+``--gloo``), in the same run, same buffers.
 
 Run under the launcher, e.g. ``mpirun -np 4 hpcdp-bench allreduce``. Rank 0
 prints one JSON object per size::
@@ -56,7 +57,7 @@ def _max(comm):
     return MPI.MAX
 
 
-def _host_runners(elems, comm, dist, check) -> dict:
+def _host_runners(elems, comm, dist, check, shm: bool = False) -> dict:
     from mpi4py import MPI
 
     import hpcdp
@@ -64,6 +65,8 @@ def _host_runners(elems, comm, dist, check) -> dict:
     runners = {"hpcdp": lambda: hpcdp.allreduce(buf, check=check),
                "hpcdp_async": lambda: hpcdp.allreduce_async(buf, check=check).wait(),
                "native": lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)}
+    if shm:
+        runners["shm"] = lambda: hpcdp.allreduce(buf, check=check, algo="shm")
     if dist is not None:
         import torch
         t_buf = torch.zeros(elems, dtype=torch.float32)
@@ -122,6 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gloo", action="store_true", help="also time torch.distributed gloo all_reduce")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="buffers in host memory (numpy) or on this rank's GPU (torch CUDA tensors)")
+    ap.add_argument("--shm", action="store_true",
+                    help="also time algo='shm' (the node's shared memory; host buffers, one node)")
     ap.add_argument("--no-check", action="store_true",
                     help="skip hpcdp's cross-rank argument check (what DDP does internally)")
     return ap
@@ -154,6 +159,10 @@ def _record(rt, args, nbytes: int, med: dict, iters: dict, check: bool) -> dict:
     if args.device == "cuda":
         rec["native"] = "device" if rt.cuda_aware else "staged"
         rec["cuda_aware_how"] = rt.cuda_aware_how
+    if "shm" in med:
+        rec["shm_time_s"] = med["shm"]
+        rec["shm_busbw"] = busbw / med["shm"]
+        rec["ratio_shm"] = med["native"] / med["shm"]
     if "gloo" in med:
         rec["gloo_time_s"] = med["gloo"]
         rec["gloo_busbw"] = busbw / med["gloo"]
@@ -164,8 +173,8 @@ def _record(rt, args, nbytes: int, med: dict, iters: dict, check: bool) -> dict:
 def main(argv=None) -> int:
     """One JSON line per size from rank 0: hpcdp's blocking call (``hpcdp``), the same
     allreduce through the generator path (``hpcdp_async``: ``allreduce_async(x).wait()``,
-    what the blocking one-message fast path is measured against), native MPI_Allreduce
-    and, with ``--gloo``, torch's gloo."""
+    what the blocking one-message fast path is measured against), native MPI_Allreduce,
+    with ``--shm`` the shared-memory allreduce and with ``--gloo`` torch's gloo."""
     args = _parser().parse_args(argv)
     import hpcdp
     hpcdp.init()
@@ -181,7 +190,7 @@ def main(argv=None) -> int:
     for nbytes in _sizes(args.sizes):
         elems = nbytes // 4
         runners = _device_runners(elems, rt, rt.comm, dist, check) if args.device == "cuda" \
-            else _host_runners(elems, rt.comm, dist, check)
+            else _host_runners(elems, rt.comm, dist, check, args.shm)
         med, iters = _measure(rt.comm, runners, args)
         if rt.rank == 0:
             print(json.dumps(_record(rt, args, elems * 4, med, iters, check)), flush=True)
