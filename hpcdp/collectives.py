@@ -62,12 +62,17 @@ def _check_gen(ctx, what: str, kind: int, buf, op: int, extra: int):
         _raise_mismatch(ctx.rank, what, buf, everyone)
 
 
+def _allreduce_extra(comp, algo: str) -> int:
+    """The argument check's ``extra`` field of an allreduce: compressor code and algorithm."""
+    return code(comp) | ALGOS.index(algo) << _ALGO_SHIFT
+
+
 def _describe(fields) -> str:
     kind, n, dtype, op, extra = fields
     if kind == _ALLREDUCE:
-        algo = ALGOS[extra >> _ALGO_SHIFT] if extra >> _ALGO_SHIFT < len(ALGOS) else extra >> _ALGO_SHIFT
+        algo = extra >> _ALGO_SHIFT
         tail = (f", op={_OP_NAMES.get(op, op)}, compression={code_name(extra & ((1 << _ALGO_SHIFT) - 1))}"
-                f", algo={algo}")
+                f", algo={ALGOS[algo] if algo < len(ALGOS) else algo}")
         return f"allreduce of {n} elements of {dtype_from_code(dtype)}{tail}"
     return f"broadcast of {n} elements of {dtype_from_code(dtype)}, root={extra}"
 
@@ -89,8 +94,7 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
     """Generator: the check, then the shared-memory allreduce, the plain ring, a ring codec's
     ring or a two-phase codec."""
     if check:
-        extra = code(comp) | ALGOS.index(algo) << _ALGO_SHIFT
-        yield from _check_gen(ctx, "allreduce", _ALLREDUCE, buf, op, extra)
+        yield from _check_gen(ctx, "allreduce", _ALLREDUCE, buf, op, _allreduce_extra(comp, algo))
     average = op == _OPS["avg"]
     if algo == "shm":
         yield from shm_allreduce(ctx, rt.node_window(), buf, average)
@@ -162,15 +166,6 @@ def _small_allreduce(rt, ctx, buf, op: int, check: bool) -> None:
     if check:
         drive(ctx.MPI, _check_gen(ctx, "allreduce", _ALLREDUCE, buf, op, 0), ctx.yield_cpu)
     _one_message_ring(rt, ctx, buf, op == _OPS["avg"])
-
-
-def _shm_blocking(rt, ctx, buf, op: int, check: bool) -> None:
-    """A blocking call of ``algo="shm"`` as one plain function: the check, then the shared-memory
-    allreduce driven right here (the engine calls it directly when idle)."""
-    if check:
-        drive(ctx.MPI, _check_gen(ctx, "allreduce", _ALLREDUCE, buf, op, ALGOS.index("shm") << _ALGO_SHIFT),
-              ctx.yield_cpu)
-    drive(ctx.MPI, shm_allreduce(ctx, rt.node_window(), buf, op == _OPS["avg"]), ctx.yield_cpu)
 
 
 def _fits_one_message(buf, size: int) -> bool:
@@ -258,8 +253,9 @@ def _prepare_allreduce(rt, x, op, name, check, blocking, stats, compression, sta
                                                     _device_of(buf))
     algo = _pick_algo(rt, algo, buf, comp)
     ctx = OpContext(rt.comm, rt.MPI, rt.engine.next_tag(), stats, on_step, rt.engine.yield_cpu)
-    if algo == "shm" and blocking:
-        run = functools.partial(_shm_blocking, rt, ctx, buf, opcode, check)
+    if algo == "shm" and blocking:  # driven right here when the engine is idle, as the small ring
+        run = functools.partial(drive, ctx.MPI, _allreduce_gen(rt, ctx, buf, opcode, check, blocking, comp,
+                                                               state, algo), ctx.yield_cpu)
     elif algo == "ring" and blocking and comp is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
         run = functools.partial(_small_allreduce, rt, ctx, buf, opcode, check)
     else:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .schedule import chunk_bounds
+
 __all__ = ["NodeWindow", "shm_allreduce", "SHM_CAPACITY"]
 
 #: bytes of a segment (each rank's window part holds two)
@@ -34,7 +36,7 @@ class NodeWindow:
     every rank's part mapped into every rank, and a private accumulator."""
 
     def __init__(self, node, MPI, capacity: int = SHM_CAPACITY):
-        self.node, self.MPI, self.capacity = node, MPI, int(capacity)
+        self.node, self.capacity = node, int(capacity)
         self.rank, self.size = node.Get_rank(), node.Get_size()
         self.win = MPI.Win.Allocate_shared(2 * self.capacity, 1, comm=node)
         self.win.Lock_all()  # passive target epoch for the window's lifetime: Sync orders memory
@@ -61,12 +63,6 @@ class NodeWindow:
         self.win.Free()
 
 
-def _slice(j: int, m: int, size: int) -> tuple[int, int]:
-    """Slice ``j`` of ``m`` elements over ``size`` owners (the ring's chunk rule)."""
-    chunk = -(-m // size)
-    return min(m, j * chunk), min(m, (j + 1) * chunk)
-
-
 def shm_allreduce(ctx, window: NodeWindow, buf, average: bool):
     """Generator: in-place allreduce of host ``buf`` over the node (see the module docstring)."""
     data, ops, size = buf.data, buf.ops, window.size
@@ -76,13 +72,14 @@ def shm_allreduce(ctx, window: NodeWindow, buf, average: bool):
         hi = min(buf.n, lo + per)
         parts = window.views(data.dtype, hi - lo)
         mine = parts[window.rank]
+        bounds = chunk_bounds(hi - lo, size)  # slice j: the ring's chunk j
         ctx.at("shared-memory allreduce: copy in")
         mine[:] = data[lo:hi]
         if average and half_dtype:
             ops.scale(mine, size)
         yield from window.barrier()
         ctx.at("shared-memory allreduce: reduce own slice")
-        a, b = _slice(window.rank, hi - lo, size)
+        a, b = bounds[window.rank], bounds[window.rank + 1]
         acc = window.acc[:(b - a) * data.dtype.itemsize].view(data.dtype)
         acc[:] = parts[0][a:b]
         for r in range(1, size):
@@ -93,6 +90,6 @@ def shm_allreduce(ctx, window: NodeWindow, buf, average: bool):
         yield from window.barrier()
         ctx.at("shared-memory allreduce: copy out")
         for r in range(size):
-            a, b = _slice(r, hi - lo, size)
+            a, b = bounds[r], bounds[r + 1]
             data[lo + a:lo + b] = parts[r][a:b]
         window.half ^= 1
