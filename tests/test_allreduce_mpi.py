@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import hpcdp
+from bits import assert_identical_everywhere
 from hpcdp.comm.schedule import simulate
 
 pytestmark = pytest.mark.mpi
@@ -20,12 +21,6 @@ def _inputs(rank, n, dtype):
     if np.issubdtype(dtype, np.integer):
         return rng.integers(-1000, 1000, n).astype(dtype)
     return (rng.standard_normal(n) * 4).astype(dtype)
-
-
-def _assert_identical_everywhere(world, arr):
-    everyone = world.allgather(np.ascontiguousarray(arr).view(np.uint8).tobytes())
-    bad = [r for r, b in enumerate(everyone) if b != everyone[0]]
-    assert not bad, f"ranks {bad} hold different bits than rank 0"
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -43,7 +38,7 @@ def test_numpy_sum_matches_oracle_and_reference(world, n, dtype, call, monkeypat
     everyone = world.allgather(x.copy())
     out = hpcdp.allreduce(x, op="sum") if call != "async" else hpcdp.allreduce_async(x, op="sum").wait()
     assert out is x
-    _assert_identical_everywhere(world, x)
+    assert_identical_everywhere(world, x)
     # bit-exact against the single-process replay of the same ring
     assert x.tobytes() == simulate(everyone)[rank].tobytes()
     ref = np.sum(np.stack(everyone).astype(np.float64), axis=0) if n else np.zeros(0)
@@ -69,7 +64,7 @@ def test_torch_cpu_tensors(world, n, dtype):
     op = "sum" if dtype.startswith("int") else "avg"
     hpcdp.allreduce(t, op=op)
     raw = t.view(torch.int16) if dtype == "bfloat16" else t
-    _assert_identical_everywhere(world, raw.numpy())
+    assert_identical_everywhere(world, raw.numpy())
     ref = torch.stack([e.double() for e in everyone]).sum(0)
     if op == "avg":
         ref = ref / size
@@ -83,7 +78,7 @@ def test_avg_is_owner_divided_and_identical(world, n):
     x = _inputs(rank, n, np.float64)
     everyone = world.allgather(x.copy())
     hpcdp.allreduce(x, op="avg")
-    _assert_identical_everywhere(world, x)
+    assert_identical_everywhere(world, x)
     expected = simulate(everyone, finish=lambda v: np.divide(v, size, out=v))[rank]
     assert x.tobytes() == expected.tobytes()
 
@@ -200,5 +195,5 @@ def test_blocking_and_async_calls_of_one_collective_match(world, n):
         hpcdp.allreduce_async(x).wait()
     else:
         hpcdp.allreduce(x)
-    _assert_identical_everywhere(world, x)
+    assert_identical_everywhere(world, x)
     assert x.tobytes() == simulate(everyone)[rank].tobytes()

@@ -85,7 +85,6 @@ def test_stalled_peer_aborts_the_job_naming_it():
     assert "HPCDP_STALL_TIMEOUT=3" in p.stderr
 
 
-
 def test_progress_thread_runs_the_thread_setup_first():
     """The engine calls ``thread_setup`` on the thread that starts the progress thread, and the
     progress thread runs what it returns before any operation: the runtime's setup gives it

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import hpcdp
+from bits import assert_identical_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -26,12 +27,6 @@ def _rank_order_sum(size, n, dtype):
     return acc
 
 
-def _assert_identical_everywhere(world, arr):
-    everyone = world.allgather(np.ascontiguousarray(arr).view(np.uint8).tobytes())
-    bad = [r for r, b in enumerate(everyone) if b != everyone[0]]
-    assert not bad, f"rank {world.Get_rank()}: ranks {bad} hold different bits than rank 0"
-
-
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("call", ["blocking", "async"])
@@ -43,7 +38,7 @@ def test_shm_sum_is_the_rank_order_sum(world, n, dtype, call):
     else:
         hpcdp.allreduce_async(x, op="sum", algo="shm", name="x").wait()
     assert np.array_equal(x, _rank_order_sum(size, n, dtype)), f"rank {rank}"
-    _assert_identical_everywhere(world, x)
+    assert_identical_everywhere(world, x)
 
 
 def test_shm_average_and_env_choice(world, monkeypatch):
@@ -52,7 +47,7 @@ def test_shm_average_and_env_choice(world, monkeypatch):
     x = np.full(1000, float(rank), dtype=np.float32)
     hpcdp.allreduce(x, op="avg")
     assert np.allclose(x, (size - 1) / 2), f"rank {rank}: {x[:3]}"
-    _assert_identical_everywhere(world, x)
+    assert_identical_everywhere(world, x)
 
 
 def test_shm_bfloat16_average_of_a_torch_tensor(world):
@@ -80,7 +75,7 @@ def test_shm_segments_alternate_halves(world, rt):
             ctx = OpContext(world, rt.MPI, 0)
             drive(rt.MPI, shm_allreduce(ctx, window, as_buffer(x, "x"), False), False)
             assert np.array_equal(x, _rank_order_sum(size, n, np.float32)), f"rank {rank}, call {call}"
-            _assert_identical_everywhere(world, x)
+            assert_identical_everywhere(world, x)
     finally:
         window.free()
         node.Free()
