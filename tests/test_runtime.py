@@ -76,13 +76,29 @@ def test_stalled_peer_aborts_the_job_naming_it():
     code = ("import hpcdp, time, numpy as np; hpcdp.init()\n"
             "if hpcdp.rank() == 1:\n"
             "    time.sleep(100)\n"
-            "hpcdp.allreduce(np.ones(1000), name='bucket7', check=False)\n")
+            "hpcdp.allreduce(np.ones(1000), name='bucket7', check=False, algo='ring')\n")
     p = run_mpi(2, ["-c", code], timeout=90, env={"HPCDP_STALL_TIMEOUT": "3"})
     assert p.returncode != 0
     assert "[hpcdp rank 0/2" in p.stderr
     assert "no progress for" in p.stderr and "allreduce(bucket7)" in p.stderr
     assert "scatter-reduce step 0, waiting for a message from rank 1" in p.stderr
     assert "HPCDP_STALL_TIMEOUT=3" in p.stderr
+
+
+def test_peer_late_for_a_flag_round_is_named():
+    """The same in the node's shared memory: rank 2 never arrives at the flag round (the
+    window exists already), and the watchdog names it."""
+    code = ("import hpcdp, time, numpy as np; hpcdp.init()\n"
+            "x = np.ones(1000)\n"
+            "hpcdp.allreduce(x, algo='shm')\n"
+            "if hpcdp.rank() == 2:\n"
+            "    time.sleep(100)\n"
+            "hpcdp.allreduce(x, name='bucket7', algo='shm')\n")
+    p = run_mpi(3, ["-c", code], timeout=90, env={"HPCDP_STALL_TIMEOUT": "3"})
+    assert p.returncode != 0
+    assert "no progress for" in p.stderr and "allreduce(bucket7)" in p.stderr, p.stderr
+    assert "waiting for rank(s) 2 to reach the node's flag round" in p.stderr, p.stderr
+    assert "rank 2 is missing or stuck" in p.stderr, p.stderr
 
 
 def test_progress_thread_runs_the_thread_setup_first():

@@ -318,7 +318,12 @@ class Engine:
             stage += f" step {where['step']}"
         peer = where.get("peer")
         others = [r for r in range(size) if r != rank]
-        if peer is None and len(others) == 1:
+        late = where.get("late")
+        if late:  # a flag round of the node's shared memory: who has not arrived is known
+            peer = late[0] if len(late) == 1 else None
+            others = late
+            waiting = f"waiting for rank(s) {rank_ranges(late)} to reach the node's flag round"
+        elif peer is None and len(others) == 1:
             peer = others[0]  # a collective of two ranks: only one can be missing
             waiting = f"waiting for all ranks (rank {peer})"
         elif peer is None:  # native collective or all-to-all: MPI does not say who is late

@@ -1,95 +1,142 @@
-"""Allreduce through the node's shared memory (MPI-3 shared windows): no message per step.
+"""Allreduce through the node's shared memory: flag rounds, no message per step.
 
-For ranks that all share one node (the node communicator from
-``Comm.Split_type(COMM_TYPE_SHARED)`` holds every rank), over N ranks, a buffer is
-reduced in segments of at most ``capacity`` bytes; for each segment:
+For ranks that all share one node, over N ranks, with the node's
+:class:`~hpcdp.comm.nodewin.NodeWindow` (two halves of ``capacity`` bytes per rank).
 
-1. each rank copies the segment into its own part of the node's window (fp16/bf16 averages:
-   divided by N first, as the ring does, so that the sum cannot overflow), alternating
-   between two halves of its part from segment to segment;
-2. node barrier: every input is in place;
-3. rank j reduces slice j: the N inputs' slice j added in rank order 0, 1, ..., N-1 (owner
-   computes, so every rank later copies the same bits), divided by N once for an average,
-   and written over its own input's slice j, which no other rank reads;
-4. node barrier: every slice is reduced;
+**Small buffers** (at most ``small`` bytes): one flag round.
+
+1. each rank copies its buffer into its current half (fp16/bf16 averages: divided by
+   N first, as the ring does, so that the sum cannot overflow);
+2. flag round (carrying the call's signature when the call is checked);
+3. every rank adds the N inputs in rank order 0, 1, ..., N-1 into its buffer (the same
+   additions in the same order everywhere, so the same bits everywhere), divided by N
+   once for an average.
+
+**Larger buffers**, in segments of at most ``capacity`` bytes, two rounds a segment:
+
+1. copy in, as above;
+2. flag round;
+3. rank j reduces slice j (the ring's chunk j) in place, over its own input's slice j,
+   which no other rank reads: its own input plus rank j+1's, j+2's, ... (cyclically), the
+   order in which the ring accumulates chunk j, so these bits are the ring's bits (owner
+   computes); divided by N for an average;
+4. flag round;
 5. every rank copies slice j out of rank j's part, for every j.
 
-The next segment (or call) writes the other half, so a rank still copying out in step 5 never
-has its inputs overwritten: two barriers a segment and no point-to-point messages. The window
-is allocated once, on first use, and reused; the barriers are nonblocking, so the progress
-engine drives this like the ring.
+So a buffer of one segment above ``small`` bytes gets the ring's bits from ``algo="shm"``
+too (a longer one gets, per segment, the ring's bits for that segment); the one-round
+path adds in rank order instead (the same bits as the ring for two ranks only). Either
+way every rank holds the same bits.
+
+Each call and segment writes the other half than the one before, and every rank
+reads a half only between two of its rounds, so a rank writing a half again (two
+rounds later) never overwrites what a slower rank still reads.
 """
 from __future__ import annotations
 
-import numpy as np
-
+from .nodewin import node_round
 from .schedule import chunk_bounds
+from .waiting import complete, drive
 
-__all__ = ["NodeWindow", "shm_allreduce", "SHM_CAPACITY"]
+__all__ = ["shm_allreduce", "shm_allreduce_blocking", "reduce_in_ring_order", "SHM_CAPACITY",
+           "SHM_SMALL"]
 
 #: bytes of a segment (each rank's window part holds two)
 SHM_CAPACITY = 4 << 20
+#: buffers up to this many bytes take the one-round path
+SHM_SMALL = 64 << 10
+
+_HALF = ("float16", "bfloat16")
 
 
-class NodeWindow:
-    """A shared window over the node communicator: per rank two halves of ``capacity`` bytes,
-    every rank's part mapped into every rank, and a private accumulator."""
-
-    def __init__(self, node, MPI, capacity: int = SHM_CAPACITY):
-        self.node, self.capacity = node, int(capacity)
-        self.rank, self.size = node.Get_rank(), node.Get_size()
-        self.win = MPI.Win.Allocate_shared(2 * self.capacity, 1, comm=node)
-        self.win.Lock_all()  # passive target epoch for the window's lifetime: Sync orders memory
-        self.parts = []
-        for r in range(self.size):
-            mem, _ = self.win.Shared_query(r)
-            self.parts.append(np.frombuffer(mem, dtype=np.uint8, count=2 * self.capacity))
-        self.acc = np.empty(self.capacity, dtype=np.uint8)
-        self.half = 0
-
-    def views(self, dtype, n: int) -> list:
-        """Every rank's current half as ``n`` elements of ``dtype``."""
-        off = self.half * self.capacity
-        return [p[off:off + n * dtype.itemsize].view(dtype) for p in self.parts]
-
-    def barrier(self):
-        """Generator: a node barrier with the window's memory made visible on both sides."""
-        self.win.Sync()
-        yield self.node.Ibarrier()
-        self.win.Sync()
-
-    def free(self) -> None:
-        self.win.Unlock_all()
-        self.win.Free()
-
-
-def shm_allreduce(ctx, window: NodeWindow, buf, average: bool):
-    """Generator: in-place allreduce of host ``buf`` over the node (see the module docstring)."""
-    data, ops, size = buf.data, buf.ops, window.size
-    half_dtype = buf.dtype.name in ("float16", "bfloat16")
+def shm_allreduce(ctx, window, buf, average: bool, sig=None, small: int = SHM_SMALL):
+    """Generator: in-place allreduce of host ``buf`` over the node (see the module
+    docstring). ``sig``: ``None``, or ``(signature, on_mismatch)``: the first round then
+    checks that every rank posted the same signature and otherwise calls
+    ``on_mismatch(everyone)`` (which raises) on every rank."""
+    data = buf.data
+    if buf.n * data.dtype.itemsize <= min(small, window.capacity):
+        yield from _one_round(ctx, window, buf, average, sig)
+        return
     per = max(1, window.capacity // data.dtype.itemsize)
     for lo in range(0, buf.n, per):
-        hi = min(buf.n, lo + per)
-        parts = window.views(data.dtype, hi - lo)
-        mine = parts[window.rank]
-        bounds = chunk_bounds(hi - lo, size)  # slice j: the ring's chunk j
-        ctx.at("shared-memory allreduce: copy in")
-        mine[:] = data[lo:hi]
-        if average and half_dtype:
-            ops.scale(mine, size)
-        yield from window.barrier()
-        ctx.at("shared-memory allreduce: reduce own slice")
-        a, b = bounds[window.rank], bounds[window.rank + 1]
-        acc = window.acc[:(b - a) * data.dtype.itemsize].view(data.dtype)
-        acc[:] = parts[0][a:b]
-        for r in range(1, size):
-            ops.add(acc, parts[r][a:b])
-        if average and not half_dtype:
-            ops.scale(acc, size)
-        mine[a:b] = acc
-        yield from window.barrier()
-        ctx.at("shared-memory allreduce: copy out")
-        for r in range(size):
-            a, b = bounds[r], bounds[r + 1]
-            data[lo + a:lo + b] = parts[r][a:b]
-        window.half ^= 1
+        yield from _segment(ctx, window, buf, lo, min(buf.n, lo + per), average, sig)
+        sig = None
+
+
+def shm_allreduce_blocking(ctx, window, buf, average: bool, sig=None, small: int = SHM_SMALL):
+    """:func:`shm_allreduce` as a plain blocking call: a small buffer's one round runs
+    right here (none of the generators' round trips: this is the case bounded by per-call
+    cost), larger ones drive the generator."""
+    if buf.n * buf.data.dtype.itemsize > min(small, window.capacity):
+        drive(ctx.MPI, shm_allreduce(ctx, window, buf, average, sig, small), ctx.yield_cpu)
+        return
+    parts = _copy_in(window, buf, 0, buf.n, average, window.size)
+    pending = window.post(None if sig is None else sig[0], ctx.where)
+    if pending is not None:
+        ctx.at("shared-memory allreduce: flag round")
+        complete(ctx.MPI, pending, ctx.yield_cpu)
+    window.arrived()
+    if sig is not None and (everyone := window.mismatch(sig[0])) is not None:
+        sig[1](everyone)
+    _sum_in_rank_order(buf.ops, buf.data, parts, buf.n, average, window.size,
+                       buf.dtype.name in _HALF)
+    window.half ^= 1
+
+
+def _copy_in(window, buf, lo: int, hi: int, average: bool, divisor: int):
+    """Copy ``buf[lo:hi]`` into this rank's current half; return every rank's half."""
+    parts = window.views(buf.data.dtype, hi - lo)
+    mine = parts[window.rank]
+    mine[:] = buf.data[lo:hi]
+    if average and buf.dtype.name in _HALF:
+        buf.ops.scale(mine, divisor)
+    return parts
+
+
+def _sum_in_rank_order(ops, out, parts, n: int, average: bool, divisor: int, half: bool):
+    """``out = parts[0] + parts[1] + ...`` in rank order (then / divisor)."""
+    out[:] = parts[0][:n]
+    for part in parts[1:]:
+        ops.add(out, part[:n])
+    if average and not half:
+        ops.scale(out, divisor)
+
+
+def _one_round(ctx, window, buf, average: bool, sig):
+    ctx.at("shared-memory allreduce: copy in")
+    parts = _copy_in(window, buf, 0, buf.n, average, window.size)
+    yield from node_round(ctx, window, sig)
+    ctx.at("shared-memory allreduce: sum")
+    _sum_in_rank_order(buf.ops, buf.data, parts, buf.n, average, window.size,
+                       buf.dtype.name in _HALF)
+    window.half ^= 1
+
+
+def _segment(ctx, window, buf, lo: int, hi: int, average: bool, sig):
+    size, half = window.size, buf.dtype.name in _HALF
+    ctx.at("shared-memory allreduce: copy in")
+    parts = _copy_in(window, buf, lo, hi, average, size)
+    yield from node_round(ctx, window, sig)
+    ctx.at("shared-memory allreduce: reduce own slice")
+    bounds = chunk_bounds(hi - lo, size)  # slice j: the ring's chunk j
+    reduce_in_ring_order(buf.ops, parts, window.rank, bounds, average and not half, size)
+    yield from node_round(ctx, window)
+    ctx.at("shared-memory allreduce: copy out")
+    data = buf.data
+    for r in range(size):
+        data[lo + bounds[r]:lo + bounds[r + 1]] = parts[r][bounds[r]:bounds[r + 1]]
+    window.half ^= 1
+
+
+def reduce_in_ring_order(ops, parts, k: int, bounds, scale: bool, divisor: int):
+    """Slice ``k`` of ``parts[k]`` += slice ``k`` of ``parts[k+1]``, ``parts[k+2]``, ...
+    (cyclically: the ring's order for chunk ``k``), then / ``divisor`` when ``scale``;
+    return the reduced slice."""
+    a, b = bounds[k], bounds[k + 1]
+    acc, n = parts[k][a:b], len(parts)
+    for i in range(1, n):
+        ops.add(acc, parts[(k + i) % n][a:b])
+    if scale:
+        ops.scale(acc, divisor)
+    return acc

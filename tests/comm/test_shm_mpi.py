@@ -5,6 +5,8 @@ import pytest
 
 import hpcdp
 from bits import assert_identical_everywhere
+from hpcdp.comm.schedule import simulate
+from hpcdp.comm.shm import SHM_CAPACITY, SHM_SMALL
 
 pytestmark = pytest.mark.mpi
 
@@ -20,30 +22,51 @@ def _inputs(rank, n, dtype):
 
 
 def _rank_order_sum(size, n, dtype):
-    """What the owner computes: the inputs added in rank order 0, 1, ..., N-1."""
+    """What the one-round path computes: the inputs added in rank order 0, 1, ..., N-1."""
     acc = _inputs(0, n, dtype)
     for r in range(1, size):
         acc += _inputs(r, n, dtype)
     return acc
 
 
+def _segments_ring_sum(size, n, dtype, capacity):
+    """What the segment path's owners compute: each segment with the ring's bits for it (so
+    a buffer of one segment has the ring's bits)."""
+    xs = [_inputs(r, n, dtype) for r in range(size)]
+    per = capacity // np.dtype(dtype).itemsize
+    pieces = [simulate([x[lo:lo + per] for x in xs])[0] for lo in range(0, n, per)]
+    return np.concatenate(pieces) if pieces else xs[0]
+
+
+def _expected(size, n, dtype, small=SHM_SMALL, capacity=SHM_CAPACITY):
+    if n * np.dtype(dtype).itemsize <= min(small, capacity):
+        return _rank_order_sum(size, n, dtype)
+    return _segments_ring_sum(size, n, dtype, capacity)
+
+
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("call", ["blocking", "async"])
-def test_shm_sum_is_the_rank_order_sum(world, n, dtype, call):
+def test_shm_sum_has_the_documented_bits(world, n, dtype, call):
+    """Up to SHM_SMALL bytes the inputs added in rank order; above, the ring's own bits
+    (these buffers fit one segment)."""
     rank, size = world.Get_rank(), world.Get_size()
     x = _inputs(rank, n, dtype)
     if call == "blocking":
         hpcdp.allreduce(x, op="sum", algo="shm", name="x")
     else:
         hpcdp.allreduce_async(x, op="sum", algo="shm", name="x").wait()
-    assert np.array_equal(x, _rank_order_sum(size, n, dtype)), f"rank {rank}"
+    assert np.array_equal(x, _expected(size, n, dtype)), f"rank {rank}"
     assert_identical_everywhere(world, x)
+    if n * np.dtype(dtype).itemsize > SHM_SMALL:
+        y = _inputs(rank, n, dtype)
+        hpcdp.allreduce(y, op="sum", algo="ring", name="x")
+        assert np.array_equal(x, y), f"rank {rank}: shm and ring bits differ"
 
 
-def test_shm_average_and_env_choice(world, monkeypatch):
+def test_shm_average_and_default_choice(world, rt, monkeypatch):
     rank, size = world.Get_rank(), world.Get_size()
-    monkeypatch.setenv("HPCDP_ALGO", "shm")
+    monkeypatch.setattr(rt, "algo", "shm")  # what HPCDP_ALGO=shm sets at init
     x = np.full(1000, float(rank), dtype=np.float32)
     hpcdp.allreduce(x, op="avg")
     assert np.allclose(x, (size - 1) / 2), f"rank {rank}: {x[:3]}"
@@ -58,27 +81,77 @@ def test_shm_bfloat16_average_of_a_torch_tensor(world):
     assert torch.all(t == torch.tensor((size + 1) / 2, dtype=torch.bfloat16)), f"rank {rank}: {t[:3]}"
 
 
-def test_shm_segments_alternate_halves(world, rt):
-    """A buffer of many segments (a 4 KiB window), three calls in a row: each call and segment
-    writes the other half, so nobody overwrites inputs a slower rank still reads."""
-    from hpcdp.comm.op import OpContext
+def _fresh_window(world, rt, capacity):
+    from hpcdp.comm.nodewin import NodeWindow
+    node = world.Split_type(rt.MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    window = NodeWindow(node, rt.MPI)
+    window.attach_data(capacity)
+    return node, window
+
+
+@pytest.mark.parametrize("small", [0, 1 << 20], ids=["segments", "one-round"])
+def test_shm_halves_alternate_between_calls(world, rt, small):
+    """Buffers of many segments (a 4 KiB window) or of one round each, several calls in a row,
+    blocking and generator forms mixed: each call and segment writes the other half, so nobody
+    overwrites inputs a slower rank still reads."""
     from hpcdp.comm.buffers import as_buffer
-    from hpcdp.comm.shm import NodeWindow, shm_allreduce
+    from hpcdp.comm.op import OpContext
+    from hpcdp.comm.shm import shm_allreduce, shm_allreduce_blocking
     from hpcdp.comm.waiting import drive
     rank, size = world.Get_rank(), world.Get_size()
-    node = world.Split_type(rt.MPI.COMM_TYPE_SHARED, key=rank)
-    window = NodeWindow(node, rt.MPI, capacity=4096)
+    node, window = _fresh_window(world, rt, 4096)
     try:
-        for call in range(3):
-            n = 10_001 + call
+        for call in range(6):
+            n = (10_001 if small == 0 else 1000) + call
             x = _inputs(rank, n, np.float32)
             ctx = OpContext(world, rt.MPI, 0)
-            drive(rt.MPI, shm_allreduce(ctx, window, as_buffer(x, "x"), False), False)
-            assert np.array_equal(x, _rank_order_sum(size, n, np.float32)), f"rank {rank}, call {call}"
+            if call % 2:
+                shm_allreduce_blocking(ctx, window, as_buffer(x, "x"), False, small=small)
+            else:
+                drive(rt.MPI, shm_allreduce(ctx, window, as_buffer(x, "x"), False, small=small), False)
+            assert np.array_equal(x, _expected(size, n, np.float32, small, 4096)), f"rank {rank}, call {call}"
             assert_identical_everywhere(world, x)
     finally:
         window.free()
         node.Free()
+
+
+def test_checked_rounds_do_not_read_the_next_rounds_signature(world, rt):
+    """A rank may post the next round's signature before a slower peer has read this round's:
+    signatures alternate between two slots, so back-to-back checked calls of different
+    lengths never report a false mismatch."""
+    rank, size = world.Get_rank(), world.Get_size()
+    for i in range(300):
+        n = 1 + (i % 7) * 100
+        x = np.full(n, float(rank), dtype=np.float32)
+        hpcdp.allreduce(x, algo="shm")
+        assert x[0] == size * (size - 1) / 2, f"rank {rank}, call {i}"
+
+
+def test_mixed_blocking_and_async_calls_keep_their_order(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    xs = [np.full(n, float(rank + 1), dtype=np.float32) for n in (10, 100_000, 7, 2_000_000)]
+    handles = [hpcdp.allreduce_async(x, algo="shm", name=f"x{i}") for i, x in enumerate(xs[:2])]
+    hpcdp.allreduce(xs[2], algo="shm", name="x2")
+    handles.append(hpcdp.allreduce_async(xs[3], algo="shm", name="x3"))
+    hpcdp.synchronize(handles)
+    for i, x in enumerate(xs):
+        assert np.all(x == size * (size + 1) / 2), f"rank {rank}: x{i} = {x[:3]}"
+
+
+def test_a_mismatch_in_the_flag_round_names_every_rank(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    x = np.ones(100 + (rank == size - 1), dtype=np.float32)
+    with pytest.raises(hpcdp.MismatchError) as err:
+        hpcdp.allreduce(x, algo="shm", name="grad")
+    text = str(err.value)
+    assert f"rank {rank}:" in text and "'grad'" in text, f"rank {rank}: {text}"
+    assert "101 elements" in text and "100 elements" in text, f"rank {rank}: {text}"
+    y = np.ones(5, dtype=np.float32)  # the window is still in step afterwards
+    hpcdp.allreduce(y, algo="shm")
+    assert np.all(y == size), f"rank {rank}: {y}"
 
 
 def test_ranks_that_pick_different_algorithms_get_a_mismatch_error(world):
@@ -92,5 +165,5 @@ def test_ranks_that_pick_different_algorithms_get_a_mismatch_error(world):
 
 
 def test_unknown_algorithm_is_a_clear_error(world):
-    with pytest.raises(ValueError, match="algo must be one of ring, shm"):
+    with pytest.raises(ValueError, match="algo must be one of auto, ring, shm, two_level"):
         hpcdp.allreduce(np.ones(3), algo="tree")

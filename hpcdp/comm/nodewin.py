@@ -1,0 +1,176 @@
+"""The node's shared memory: flag rounds and data halves in MPI-3 shared windows.
+
+Two windows over the node communicator (``Comm.Split_type(COMM_TYPE_SHARED)``):
+
+* the **control** window, in local rank 0's segment: one sequence number per rank
+  (contiguous int64s) and two argument signatures per rank (by round parity);
+* the **data** window: per rank two halves of ``capacity`` bytes, every rank's part
+  mapped into every rank; allocated on first use (:meth:`NodeWindow.attach_data`).
+
+A **flag round** replaces a node barrier: a rank makes its writes visible
+(``MPI_Win_sync``), optionally writes its call's signature, then raises its sequence
+number; the round is complete for it once every rank's number has reached its own.
+No message is sent, and the wait is a read of one cache line. The signature lets the
+round double as the cross-rank argument check (:meth:`NodeWindow.mismatch`).
+
+Both windows are allocated once and kept until MPI ends; MPI releases the memory when
+the job ends, also when a rank aborts.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from os import sched_yield
+
+import numpy as np
+
+__all__ = ["NodeWindow", "node_round", "SIG_FIELDS", "shm_free_bytes"]
+
+#: fields of a call's signature (kind, length, dtype, op, extra)
+SIG_FIELDS = 5
+_LINE = 64  # bytes: the sequence numbers are padded to a cache line
+_SIG = struct.Struct(f"={SIG_FIELDS}q")
+
+
+def shm_free_bytes(path: str = "/dev/shm") -> int | None:
+    """Bytes free in ``path`` (where MPI libraries back shared windows), ``None`` if unknown."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+class Round:
+    """What an operation yields while a flag round is incomplete: the engine tests or waits
+    on it like an MPI request (with ``yield_cpu``, :func:`~hpcdp.comm.waiting.complete` calls
+    ``Test`` and yields the core between tests; else ``Wait`` spins, as MPI does, yielding
+    the core every 1024 tests, or every test where the node has more ranks than cores). A long wait names the ranks that have not arrived, for the stall
+    watchdog."""
+
+    __slots__ = ("win", "where")
+
+    def __init__(self, win: "NodeWindow", where: dict | None):
+        self.win, self.where = win, where
+
+    def Test(self) -> bool:
+        return min(self.win._seq_view) >= self.win.seq
+
+    def Wait(self) -> None:
+        polls, seqs, seq, mask = 0, self.win._seq_view, self.win.seq, self.win.spin_mask
+        while min(seqs) < seq:
+            polls += 1
+            if polls & mask:
+                continue
+            sched_yield()
+            if polls & 0xFFFF == 0 and self.where is not None:
+                self.where["late"] = self.win.late()
+
+
+class NodeWindow:
+    """Flag rounds and the data halves of one node (see the module docstring)."""
+
+    def __init__(self, node, MPI, world_ranks=None):
+        self.node, self.MPI = node, MPI
+        self.world_ranks = world_ranks  # node rank -> job rank, for messages
+        self.rank, self.size = node.Get_rank(), node.Get_size()
+        seq_bytes = -(-8 * self.size // _LINE) * _LINE
+        sig_bytes = 8 * SIG_FIELDS * self.size
+        total = seq_bytes + 2 * sig_bytes
+        self.ctl = MPI.Win.Allocate_shared(total if self.rank == 0 else 0, 1, comm=node)
+        self.ctl.Lock_all()  # passive target epoch for the window's lifetime: Sync orders memory
+        mem, _ = self.ctl.Shared_query(0)
+        raw = np.frombuffer(mem, dtype=np.uint8, count=total)
+        self.seqs = raw[:8 * self.size].view(np.int64)
+        self._seq_view = memoryview(self.seqs)
+        # two signature slots, by the round's parity: a rank can be one round ahead of a
+        # peer that still reads the signatures of the round before
+        self._slots = [memoryview(raw[seq_bytes + k * sig_bytes:seq_bytes + (k + 1) * sig_bytes])
+                       for k in (0, 1)]
+        self._mine = slice(8 * SIG_FIELDS * self.rank, 8 * SIG_FIELDS * (self.rank + 1))
+        self.seqs[self.rank] = 0
+        for slot in self._slots:
+            slot[self._mine] = bytes(8 * SIG_FIELDS)
+        self.seq = 0
+        self.ctl.Sync()
+        node.Barrier()  # every rank's Lock_all is done, and may have needed the others in MPI
+        # polls between yields of the core: 1024 where every rank has a core, else every
+        # poll (a spinning rank would hold the core of the rank it waits for)
+        self.spin_mask = 0x3FF if self.size <= (os.cpu_count() or 1) else 0
+        self.win, self.parts, self.capacity, self.half = None, None, 0, 0
+        self._views = {}
+
+    # -- flag rounds ---------------------------------------------------------------
+    def post(self, sig=None, where: dict | None = None) -> Round | None:
+        """Arrive at the next round (with this call's signature); return ``None`` when every
+        rank has arrived already, else the :class:`Round` to wait on."""
+        self.ctl.Sync()
+        if sig is not None:
+            self._slots[(self.seq + 1) & 1][self._mine] = _SIG.pack(*sig)
+        self.seq += 1
+        self.seqs[self.rank] = self.seq
+        self.ctl.Sync()
+        if min(self._seq_view) >= self.seq:
+            return None
+        return Round(self, where)
+
+    def arrived(self) -> None:
+        """After a round: make the peers' writes before the round visible here."""
+        self.ctl.Sync()
+
+    def mismatch(self, sig) -> list | None:
+        """After a round with signatures: ``None`` when every rank posted ``sig``, else every
+        rank's signature (the same list on every rank)."""
+        slot = self._slots[self.seq & 1]
+        if slot == _SIG.pack(*sig) * self.size:
+            return None
+        return [_SIG.unpack_from(slot, 8 * SIG_FIELDS * r) for r in range(self.size)]
+
+    def late(self) -> list[int]:
+        """Ranks (of the job, where known) that have not reached this rank's round."""
+        late = [r for r, s in enumerate(self.seqs) if s < self.seq]
+        return late if self.world_ranks is None else [self.world_ranks[r] for r in late]
+
+    # -- data ----------------------------------------------------------------------
+    def attach_data(self, capacity: int) -> None:
+        """Allocate the data window: two halves of ``capacity`` bytes per rank (collective
+        over the node, once)."""
+        self.win = self.MPI.Win.Allocate_shared(2 * capacity, 1, comm=self.node)
+        self.win.Lock_all()
+        self.parts = []
+        for r in range(self.size):
+            mem, _ = self.win.Shared_query(r)
+            self.parts.append(np.frombuffer(mem, dtype=np.uint8, count=2 * capacity))
+        self.capacity = capacity
+        self.node.Barrier()  # (a peer's Lock_all may need this rank inside MPI: flag waits are not)
+
+    def views(self, dtype, n: int) -> list:
+        """Every rank's current half as ``n`` elements of ``dtype`` (cached: a training job
+        reduces the same few bucket sizes again and again)."""
+        key = (dtype, n, self.half)
+        parts = self._views.get(key)
+        if parts is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            off, nbytes = self.half * self.capacity, n * dtype.itemsize
+            parts = self._views[key] = [p[off:off + nbytes].view(dtype) for p in self.parts]
+        return parts
+
+    def free(self) -> None:
+        for win in (self.win, self.ctl):
+            if win is not None:
+                win.Unlock_all()
+                win.Free()
+        self.win = self.ctl = None
+
+
+def node_round(ctx, window, sig=None):
+    """Generator: one flag round; with ``sig = (signature, on_mismatch)`` also the check."""
+    pending = window.post(None if sig is None else sig[0], ctx.where)
+    if pending is not None:
+        yield pending
+    window.arrived()
+    if sig is not None:
+        everyone = window.mismatch(sig[0])
+        if everyone is not None:
+            sig[1](everyone)
