@@ -1,5 +1,6 @@
 """``hpcdp-bench SUBCOMMAND``: benchmarks that print JSON lines and always time
-the peer in the same run. Subcommands: ``allreduce``, ``overlap``, ``compress``."""
+the peer in the same run. Subcommands: ``allreduce``, ``train``, ``overlap``, ``compress``,
+``model`` (the cost model's predictions, no MPI) and ``calibrate`` (measure its constants)."""
 from __future__ import annotations
 
 import sys
@@ -9,6 +10,8 @@ _SUBCOMMANDS = {
     "train": "hpcdp.cli.bench_train",
     "overlap": "hpcdp.cli.bench_overlap",
     "compress": "hpcdp.cli.bench_compress",
+    "model": "hpcdp.cli.bench_model",
+    "calibrate": "hpcdp.cli.bench_calibrate",
 }
 
 

@@ -1,0 +1,206 @@
+"""``hpcdp-bench calibrate``: measure the cost model's constants (:mod:`hpcdp.comm.costmodel`)
+on this machine and write them where ``hpcdp-bench model`` and ``costmodel.load()`` look.
+
+    mpirun -np 4 hpcdp-bench calibrate [--out FILE] [--print-only]
+
+Every constant is the median of ``--reps`` timed repetitions (after one untimed warm-up),
+then the slowest rank's value (a collective goes at the pace of its slowest rank), so every
+rank holds the same numbers; rank 0 prints one JSON line and writes the file (default
+``costmodel.default_path()``, or ``--out``; ``--print-only`` writes nothing). What is measured:
+
+* alpha_step: a Python-driven ``Sendrecv`` of 8 bytes with the ring neighbours inside the node;
+* beta_intra: a 4 MiB ``Sendrecv`` between the same neighbours (4 MiB / (time - alpha_step));
+* beta_mem: ``np.copyto`` of 32 MiB; gamma: ``np.add(a, b, out=a)`` over 32 MiB of float32
+  (every rank at once, as in an allreduce);
+* alpha_sync: a flag round of the node's shared window (:mod:`hpcdp.comm.nodewin`), which
+  the shared-memory algorithms wait on;
+* alpha_call: ``hpcdp.allreduce`` (``check=False``) of p float32 elements (one per rank, so
+  every ring step carries a message) minus the 2(p-1) ring steps it took, each timed as an
+  8-byte ``Sendrecv`` on the same world ring (so across nodes where the job spans them),
+  the two timed in pairs, median of the differences; at np = 1 the call alone;
+* alpha_inter, beta_inter: local rank 0 of the first two nodes exchange 8 bytes and 16 MiB
+  (alpha_inter = time(8 B) - alpha_step, beta_inter = 16 MiB / (time(16 MiB) - time(8 B))),
+  only when the job spans nodes.
+
+What could not be measured (inter-node constants on one node, point-to-point ones with one
+rank per node) keeps the default and is listed under ``"defaults"``; ``"notes"`` says why.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from hpcdp.comm import costmodel
+
+MIB = 1 << 20
+TINY, P2P, SEGMENT, INTER = 8, 4 * MIB, 4 * MIB, 16 * MIB
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hpcdp-bench calibrate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", metavar="FILE",
+                    help=f"where rank 0 writes the constants (default {costmodel.default_path()})")
+    ap.add_argument("--print-only", action="store_true", help="print the JSON line, write nothing")
+    ap.add_argument("--reps", type=int, default=11, help="timed repetitions per constant (median)")
+    return ap
+
+
+def _median(comm, fn, reps: int, inner: int = 1) -> float:
+    """Median seconds per ``fn()`` over ``reps`` repetitions of ``inner`` calls (all ranks of
+    ``comm`` start each repetition together), after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+def _ring_exchange(comm, MPI, nbytes: int):
+    """A zero-argument ``Sendrecv`` of ``nbytes`` to the right, from the left neighbour."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    right, left = (rank + 1) % size, (rank - 1) % size
+    send, recv = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    return lambda: comm.Sendrecv([send, MPI.BYTE], right, 7, [recv, MPI.BYTE], left, 7)
+
+
+def _node_p2p(world, local, MPI, reps: int, out: dict, notes: dict) -> None:
+    """alpha_step and beta_intra in every node at once (the slowest node's values)."""
+    has_peer = world.allreduce(local.Get_size() > 1, op=MPI.LAND)
+    if not has_peer:
+        notes["alpha_step"] = notes["beta_intra"] = "a node with one rank: no neighbour inside it"
+        return
+    tiny = world.allreduce(_median(local, _ring_exchange(local, MPI, TINY), reps, 20), op=MPI.MAX)
+    big = world.allreduce(_median(local, _ring_exchange(local, MPI, P2P), reps, 2), op=MPI.MAX)
+    out["alpha_step"] = tiny
+    out["beta_intra"] = P2P / (big - tiny if big > 2 * tiny else big)
+
+
+def _memory(world, MPI, reps: int, out: dict) -> None:
+    """beta_mem (np.copyto) and gamma (np.add over float32), every rank at once."""
+    n = SEGMENT // 4
+    a, b = np.zeros(n, np.float32), np.full(n, 1e-3, np.float32)
+    dst = np.zeros(n, np.float32)
+    copy = _median(world, lambda: np.copyto(dst, b), reps)
+    add = _median(world, lambda: np.add(a, b, out=a), reps)
+    out["beta_mem"] = SEGMENT / world.allreduce(copy, op=MPI.MAX)
+    out["gamma"] = SEGMENT / world.allreduce(add, op=MPI.MAX)
+
+
+def _inter(world, MPI, hostnames, reps: int, out: dict, notes: dict) -> None:
+    """alpha_inter and beta_inter between local rank 0 of the first two nodes."""
+    hosts = list(dict.fromkeys(hostnames))
+    if len(hosts) < 2:
+        notes["alpha_inter"] = notes["beta_inter"] = "the job runs on one node"
+        return
+    a, b = hostnames.index(hosts[0]), hostnames.index(hosts[1])
+    rank, result = world.Get_rank(), None
+    if rank in (a, b):
+        pair = world.Split(0, rank)  # a first: its lower rank
+        tiny = _median(pair, _ring_exchange(pair, MPI, TINY), reps, 20)
+        big = _median(pair, _ring_exchange(pair, MPI, INTER), max(3, reps // 2))
+        result = (tiny, INTER / (big - tiny if big > 2 * tiny else big))
+        pair.Free()
+    else:
+        world.Split(MPI.UNDEFINED, rank)
+    tiny, out["beta_inter"] = world.bcast(result, root=a)
+    out["alpha_inter"] = max(0.0, tiny - out.get("alpha_step", costmodel.DEFAULTS.alpha_step))
+
+
+def _call(world, MPI, reps: int, out: dict, notes: dict) -> None:
+    """alpha_call: hpcdp.allreduce of one float32 per rank minus 2(p-1) Sendrecv steps of 8
+    bytes on the same ring (rank r to r+1, so across nodes where the job spans them), timed
+    in pairs, one after the other in every repetition; the median of the differences."""
+    import hpcdp
+    p = world.Get_size()
+    x = np.zeros(p, np.float32)
+    step_fn = _ring_exchange(world, MPI, TINY)
+    step_fn()
+    diffs, steps, calls = [], [], []
+    for _ in range(reps + 1):
+        steps.append(_median(world, step_fn, 1, 20) if p > 1 else 0.0)
+        calls.append(_median(world, lambda: hpcdp.allreduce(x, check=False), 1, 20))
+        diffs.append(calls[-1] - 2 * (p - 1) * steps[-1])
+    diff, step, call = (world.allreduce(statistics.median(v[1:]), op=MPI.MAX)
+                        for v in (diffs, steps, calls))
+    out["alpha_call"] = max(0.0, diff)
+    notes["alpha_call"] = f"one call {call * 1e6:.1f} us" + (
+        f" minus {2 * (p - 1)} ring steps of {step * 1e6:.1f} us (paired)" if p > 1 else "") + (
+        ", clamped at 0 (noise: the steps timed alone took longer)" if diff < 0 else "")
+
+
+def _flag_round(local, MPI, reps: int) -> float:
+    """Median seconds of one flag round of a fresh node window (freed afterwards)."""
+    from hpcdp.comm.nodewin import NodeWindow
+    from hpcdp.comm.waiting import drive
+
+    window = NodeWindow(local, MPI)
+
+    def rounds():
+        for _ in range(20):
+            pending = window.post()
+            if pending is not None:
+                yield pending
+            window.arrived()
+
+    try:
+        return _median(local, lambda: drive(MPI, rounds(), False), reps) / 20
+    finally:
+        window.free()
+
+
+def measure(rt, reps: int = 11) -> tuple:
+    """``(Calibration, measured field names, notes)``, the same on every rank."""
+    world, local, MPI = rt.comm.Dup(), rt.local.Dup(), rt.MPI
+    out, notes = {}, {}
+    try:
+        _node_p2p(world, local, MPI, reps, out, notes)
+        _memory(world, MPI, reps, out)
+        out["alpha_sync"] = world.allreduce(_flag_round(local, MPI, reps), op=MPI.MAX)
+        _inter(world, MPI, rt.hostnames, reps, out, notes)
+        _call(world, MPI, reps, out, notes)
+    finally:
+        local.Free()
+        world.Free()
+    nodes = len(set(rt.hostnames))
+    source = rt.comm.bcast(  # rank 0's clock: the same text on every rank
+        f"hpcdp-bench calibrate {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, "
+        f"np={rt.size} on {nodes} node(s) ({rt.hostnames[0]}{', ...' if nodes > 1 else ''})", root=0)
+    cal = dataclasses.replace(costmodel.DEFAULTS, **out, source=source)
+    return cal, sorted(out), notes
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    import hpcdp
+    hpcdp.init()
+    from hpcdp._runtime import runtime
+    rt = runtime()
+    t0 = time.perf_counter()
+    cal, measured, notes = measure(rt, max(1, args.reps))
+    if rt.rank != 0:
+        return 0
+    path = None if args.print_only else costmodel.save(cal, args.out or costmodel.default_path())
+    hosts = list(dict.fromkeys(rt.hostnames))
+    rec = {"bench": "calibrate", "np": rt.size, "nodes": len(hosts),
+           "ranks_per_node": [rt.hostnames.count(h) for h in hosts], **cal.to_dict(),
+           "measured": measured,
+           "defaults": [f.name for f in dataclasses.fields(cal)[:-1] if f.name not in measured],
+           "notes": notes, "out": str(path) if path else None,
+           "seconds": round(time.perf_counter() - t0, 3)}
+    print(json.dumps(rec), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,398 @@
+"""An alpha-beta-gamma cost model of hpcdp's allreduce algorithms (and of native MPI's, for
+contrast): predicted seconds per call from a :class:`Topology` and measured constants
+(:class:`Calibration`, written by ``hpcdp-bench calibrate``, read by :func:`load`).
+
+Per message: alpha (latency) + bytes / beta (bandwidth); per reduction: bytes / gamma. The
+model is a sum of dependent steps (no overlap between steps; the ring's segment pipelining
+inside a step is not modelled), each step as slow as its slowest link. A node's network link
+is shared by every message that leaves the node in the same step. Standard library only: no
+torch, no MPI, so it runs anywhere (``hpcdp-bench model``).
+
+    cal = load()                                     # measured, or DEFAULTS
+    topo = Topology.uniform(8, 4)                    # 8 nodes x 4 ranks, block placement
+    predict("two_level", 64 << 20, topo, cal)        # seconds
+    choose(64 << 20, topo, cal)                      # "two_level"
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_VAR = "HPCDP_CALIBRATION"
+# one message of MPI's own C implementation inside a node (MPICH shared memory, a few us)
+NATIVE_ALPHA_INTRA = 2e-6
+SHM_SEGMENT = 4 << 20
+SHM_SMALL = 64 << 10
+ALGOS = ("ring", "shm", "two_level", "native_rd", "native_rsag", "native")
+HPCDP_ALGOS = ("ring", "shm", "two_level")
+# latencies may be 0 (alpha_inter on one node); bandwidths and speeds must be > 0
+_MAY_BE_ZERO = ("alpha_step", "alpha_inter", "alpha_sync", "alpha_call")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The model's constants: times in seconds, bandwidths in bytes/second."""
+    alpha_step: float   # one Python-driven point-to-point ring step inside a node (tiny Sendrecv)
+    alpha_inter: float  # extra latency of a message between nodes
+    alpha_sync: float   # one shared-memory flag round among a node's ranks
+    alpha_call: float   # fixed cost of one hpcdp allreduce call in Python (arguments, engine)
+    beta_intra: float   # point-to-point bandwidth between two ranks of a node
+    beta_inter: float   # one node's network link, each direction (shared by the node's ranks)
+    beta_mem: float     # memcpy bandwidth of one rank (into / out of a shared window)
+    gamma: float        # reduction speed of one rank (a += b, float32), bytes of b per second
+    source: str = "defaults"  # "defaults", or the file it was read from and when it was measured
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Calibration":
+        """Check every field (all present, numbers, finite, positive; no unknown ones)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a calibration is a JSON object, not {type(d).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            raise ValueError(f"unknown field(s) {', '.join(map(repr, unknown))} "
+                             f"(known: {', '.join(names)})")
+        values = {}
+        for name in names[:-1]:
+            if name not in d:
+                raise ValueError(f"missing field {name!r}")
+            v = d[name]
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not ok or v < 0 or (v == 0 and name not in _MAY_BE_ZERO):
+                raise ValueError(f"field {name!r} must be a finite number > 0"
+                                 f"{' (or 0)' if name in _MAY_BE_ZERO else ''}, not {v!r}")
+            values[name] = float(v)
+        source = d.get("source", "defaults")
+        if not isinstance(source, str):
+            raise ValueError(f"field 'source' must be a string, not {source!r}")
+        return cls(**values, source=source)
+
+
+# hpcdp-bench calibrate on the 2-core VM hpcdp is developed on (MPICH 5, one rank a core,
+# quiet), and a 1 Gbit/s link between nodes: alpha_step 2-3 us, alpha_sync (a flag round)
+# 0.6-1 us, alpha_call ~3 us, beta_intra 15-17 GB/s, beta_mem and gamma 40-44 GB/s over a
+# 4 MiB segment (in cache). Two ranks a core (np = 4): 9-13 us, 5-7 us, 5 GB/s, 17-19 GB/s.
+# With these, "auto" on one node takes shm below 16 MiB at two ranks and everywhere at
+# four; on several nodes two_level. Measure your machine (hpcdp-bench calibrate).
+DEFAULTS = Calibration(alpha_step=2.5e-6, alpha_inter=50e-6, alpha_sync=0.8e-6, alpha_call=3e-6,
+                       beta_intra=16e9, beta_inter=125e6, beta_mem=40e9, gamma=40e9)
+
+
+def default_path() -> Path:
+    """Where ``hpcdp-bench calibrate`` writes and :func:`load` looks by default."""
+    return Path("~/.cache/hpcdp/calibration.json").expanduser()
+
+
+def load(path=None) -> Calibration:
+    """The calibration in ``path``, else in ``$HPCDP_CALIBRATION``, else in
+    :func:`default_path`; :data:`DEFAULTS` when that file does not exist. A malformed
+    file is a ``ValueError`` naming the file and the field."""
+    path = Path(path or os.environ.get(ENV_VAR) or default_path()).expanduser()
+    if not path.exists():
+        return DEFAULTS
+    try:
+        d = json.loads(path.read_text())
+        cal = Calibration.from_dict(d)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"calibration file {path}: {e}") from None
+    return dataclasses.replace(cal, source=f"{path} ({cal.source})")
+
+
+def save(cal: Calibration, path) -> Path:
+    """Write ``cal`` to ``path`` as JSON, atomically (a temporary file renamed over it),
+    creating the directory."""
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(cal.to_dict(), f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Nodes and ranks: ``ranks_per_node`` has one entry per node (uneven allowed).
+    ``placement``: ``"block"`` (consecutive ranks share a node) or ``"cyclic"`` (rank r on
+    node r % nodes; with uneven nodes, round robin over the nodes that still have room)."""
+    ranks_per_node: tuple[int, ...]
+    placement: str = "block"
+
+    def __post_init__(self):
+        rpn = tuple(int(x) for x in self.ranks_per_node)
+        if not rpn or min(rpn) < 1:
+            raise ValueError(f"ranks_per_node needs at least one node and >= 1 rank on each, "
+                             f"not {self.ranks_per_node!r}")
+        if self.placement not in ("block", "cyclic"):
+            raise ValueError(f"placement is 'block' or 'cyclic', not {self.placement!r}")
+        object.__setattr__(self, "ranks_per_node", rpn)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.ranks_per_node)
+
+    @property
+    def size(self) -> int:
+        return sum(self.ranks_per_node)
+
+    @classmethod
+    def uniform(cls, nodes: int, ranks_per_node: int, placement: str = "block") -> "Topology":
+        return cls((ranks_per_node,) * nodes, placement)
+
+    def rank_nodes(self) -> tuple:
+        """The node of every rank, in rank order."""
+        return _rank_nodes(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_nodes(topo: Topology) -> tuple:
+    if topo.placement == "block":
+        return tuple(i for i, n in enumerate(topo.ranks_per_node) for _ in range(n))
+    room, out = list(topo.ranks_per_node), []
+    while len(out) < topo.size:
+        for i in range(topo.nodes):
+            if room[i]:
+                out.append(i)
+                room[i] -= 1
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _pattern(topo: Topology, kind: str, k: int = 0) -> tuple:
+    """Who sends to whom in one step, as (any message inside a node, most messages leaving one
+    node). ``kind``: ``"ring"`` (r -> r+1 mod p), ``"xor"`` (r <-> r xor 2^k, r < p2, the
+    largest power of two <= p), ``"fold"`` (2i -> 2i+1, i < p - p2)."""
+    p, nodes = topo.size, topo.rank_nodes()
+    p2 = 1 << (p.bit_length() - 1)
+    if kind == "ring":
+        pairs = [(r, (r + 1) % p) for r in range(p)]
+    elif kind == "xor":
+        pairs = [(r, r ^ (1 << k)) for r in range(p2)]
+    else:
+        pairs = [(2 * i, 2 * i + 1) for i in range(p - p2)]
+    out, intra = {}, False
+    for src, dst in pairs:
+        if nodes[src] == nodes[dst]:
+            intra = True
+        else:
+            out[nodes[src]] = out.get(nodes[src], 0) + 1
+    return intra, max(out.values(), default=0)
+
+
+def _link(pattern: tuple, cal: Calibration, alpha_intra: float) -> tuple:
+    """(alpha, beta) of a step with the message ``pattern`` (:func:`_pattern`): as slow as
+    its slowest message. One that leaves its node shares the node's link with every other
+    message leaving that node in the step, and pays alpha_inter on top of ``alpha_intra``."""
+    intra, leaving = pattern
+    if not leaving:
+        return alpha_intra, cal.beta_intra
+    beta = cal.beta_inter / leaving
+    return alpha_intra + cal.alpha_inter, min(beta, cal.beta_intra) if intra else beta
+
+
+def _ring(n: int, topo: Topology, cal: Calibration) -> float:
+    """hpcdp's flat ring over all p ranks (rank r sends to r + 1):
+    1. scatter-reduce, p - 1 steps: each rank sends a chunk of n/p, receives one, adds it;
+    2. allgather, p - 1 steps: the same messages, no addition.
+    A step is alpha_step (+ alpha_inter if any edge of the ring crosses nodes) plus
+    chunk / the slowest edge's bandwidth (see :func:`_link`)."""
+    p = topo.size
+    if p == 1 or n == 0:
+        return cal.alpha_call
+    alpha, beta = _link(_pattern(topo, "ring"), cal, cal.alpha_step)
+    chunk = n / p
+    step = alpha + chunk / beta
+    return cal.alpha_call + 2 * (p - 1) * step + (p - 1) * chunk / cal.gamma
+
+
+def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
+         small: int = SHM_SMALL) -> float:
+    """hpcdp's shared-memory allreduce on one node of L ranks. Per segment of ``segment``
+    bytes (segments run one after the other):
+    1. copy in: every rank copies its segment into the window (seg / beta_mem);
+    2. one flag round (alpha_sync);
+    3. rank j reduces slice j of all L inputs: copies the first ((seg/L) / beta_mem), adds
+       the other L - 1 ((L-1) (seg/L) / gamma);
+    4. one flag round;
+    5. copy out: every rank copies the whole reduced segment back (seg / beta_mem).
+    Up to ``small`` bytes, the one-round variant is taken when it is faster: copy in, one flag
+    round, every rank reduces the whole buffer itself (n / beta_mem + (L-1) n / gamma)."""
+    if ranks == 1 or n == 0:
+        return cal.alpha_call
+    L = ranks
+    segments = math.ceil(n / segment)
+    big = (segments * 2 * cal.alpha_sync
+           + n * (2 / cal.beta_mem + 1 / (L * cal.beta_mem) + (L - 1) / (L * cal.gamma)))
+    if n <= small:
+        one_round = cal.alpha_sync + n * (2 / cal.beta_mem + (L - 1) / cal.gamma)
+        big = min(big, one_round)
+    return cal.alpha_call + big
+
+
+def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGMENT,
+               small: int = SHM_SMALL) -> float:
+    """Shared memory inside the nodes, rings between them (N nodes, Lmin = fewest ranks on a
+    node; local ranks >= Lmin only contribute their data), per segment of ``segment`` bytes
+    (the node window's capacity, as hpcdp.comm.twolevel does):
+    1. reduce-scatter in every node: copy in (seg / beta_mem), one flag round, local rank
+       j < Lmin reduces slice j of seg/Lmin from the node's L inputs (first one copied);
+    2. local rank j runs a ring across the N nodes on slice j: 2(N-1) steps of
+       seg/(Lmin N) bytes; the Lmin rings share each node's link, so a step costs
+       alpha_step + alpha_inter + Lmin chunk / beta_inter (+ chunk / gamma when reducing);
+    3. allgather in the node: one flag round, every rank copies the result out (seg / beta_mem).
+    The byte terms add up to those of one segment of n; every further segment pays the flag
+    rounds and the ring's 2(N-1) latencies again. One node: :func:`_shm`."""
+    N = topo.nodes
+    if N == 1:
+        return _shm(n, topo.size, cal, segment, small)
+    if n == 0:
+        return cal.alpha_call
+    lmin, lmax = min(topo.ranks_per_node), max(topo.ranks_per_node)
+    part = n / lmin
+    scatter = n / cal.beta_mem + part / cal.beta_mem + (lmax - 1) * part / cal.gamma
+    chunk = n / (lmin * N)
+    ring = 2 * (N - 1) * lmin * chunk / cal.beta_inter + (N - 1) * chunk / cal.gamma
+    gather = n / cal.beta_mem
+    latency = 2 * cal.alpha_sync + 2 * (N - 1) * (cal.alpha_step + cal.alpha_inter)
+    return cal.alpha_call + scatter + ring + gather + math.ceil(n / segment) * latency
+
+
+def _pof2_split(topo: Topology, cal: Calibration, n: int) -> tuple:
+    """Native algorithms on a p that is no power of two: ranks 2i, 2i+1 (i < p - p2) first
+    fold their buffers into one (a message of n, a reduction) and finally get the result
+    back (a message of n). Returns (p2, seconds of those two extra rounds). The rounds in
+    between are modelled on ranks 0 .. p2-1 (MPICH keeps the odd ones of the folded pairs)."""
+    p = topo.size
+    p2 = 1 << (p.bit_length() - 1)
+    if p2 == p:
+        return p, 0.0
+    alpha, beta = _link(_pattern(topo, "fold"), cal, NATIVE_ALPHA_INTRA)
+    return p2, 2 * (alpha + n / beta) + n / cal.gamma
+
+
+def _native_rd(n: int, topo: Topology, cal: Calibration) -> float:
+    """MPI's recursive doubling (MPICH's choice for small buffers), no alpha_call:
+    round k = 0 .. log2(p) - 1: rank r exchanges the whole buffer with r xor 2^k and adds
+    it (alpha + n / beta + n / gamma, alpha = NATIVE_ALPHA_INTRA (+ alpha_inter across
+    nodes)); non-powers of two pay two more rounds (:func:`_pof2_split`)."""
+    if topo.size == 1:
+        return NATIVE_ALPHA_INTRA
+    p2, t = _pof2_split(topo, cal, n)
+    for k in range(p2.bit_length() - 1):
+        alpha, beta = _link(_pattern(topo, "xor", k), cal, NATIVE_ALPHA_INTRA)
+        t += alpha + n / beta + n / cal.gamma
+    return t
+
+
+def _native_rsag(n: int, topo: Topology, cal: Calibration) -> float:
+    """Rabenseifner (MPICH's choice for large buffers), no alpha_call:
+    1. reduce-scatter by recursive halving: round k = 0 .. log2(p) - 1 exchanges n / 2^(k+1)
+       bytes with r xor 2^k and adds them;
+    2. allgather by recursive doubling: the same rounds in reverse order, no addition.
+    2 log2(p) rounds, 2(p-1)/p n bytes sent per rank; non-powers of two as in _native_rd."""
+    if topo.size == 1:
+        return NATIVE_ALPHA_INTRA
+    p2, t = _pof2_split(topo, cal, n)
+    for k in range(p2.bit_length() - 1):
+        alpha, beta = _link(_pattern(topo, "xor", k), cal, NATIVE_ALPHA_INTRA)
+        part = n / (2 << k)
+        t += 2 * (alpha + part / beta) + part / cal.gamma
+    return t
+
+
+def predict(algo: str, nbytes: int, topo: Topology, cal: Calibration = DEFAULTS, *,
+            segment: int = SHM_SEGMENT, small: int = SHM_SMALL) -> float:
+    """Predicted seconds of one allreduce of ``nbytes`` with ``algo`` (one of :data:`ALGOS`;
+    hpcdp's own include alpha_call). ``segment``: the node window's segment (shm and
+    two_level); ``small``: the size up to which shm's one-round variant may be taken."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, not {nbytes}")
+    if algo == "ring":
+        return _ring(nbytes, topo, cal)
+    if algo == "shm":
+        if topo.nodes != 1:
+            raise ValueError(f"algo 'shm' needs every rank on one node, this topology has "
+                             f"{topo.nodes} nodes (use 'two_level' or 'ring')")
+        return _shm(nbytes, topo.size, cal, segment, small)
+    if algo == "two_level":
+        return _two_level(nbytes, topo, cal, segment, small)
+    if algo == "native_rd":
+        return _native_rd(nbytes, topo, cal)
+    if algo == "native_rsag":
+        return _native_rsag(nbytes, topo, cal)
+    if algo == "native":
+        return min(_native_rd(nbytes, topo, cal), _native_rsag(nbytes, topo, cal))
+    raise ValueError(f"unknown algorithm {algo!r} (known: {', '.join(ALGOS)})")
+
+
+def applies(algo: str, topo: Topology) -> bool:
+    """Whether :func:`choose` considers ``algo``: shm on one node only, two_level on more."""
+    if algo == "shm":
+        return topo.nodes == 1
+    if algo == "two_level":
+        return topo.nodes > 1
+    return algo in ALGOS
+
+
+def choose(nbytes: int, topo: Topology, cal: Calibration = DEFAULTS,
+           available=HPCDP_ALGOS) -> str:
+    """The algorithm of ``available`` (that applies to ``topo``) with the lowest predicted
+    time; ties go to the earlier one in ``available``."""
+    cands = [a for a in available if applies(a, topo)]
+    if not cands:
+        raise ValueError(f"none of {list(available)} applies to {topo.nodes} node(s)")
+    return min(cands, key=lambda a: (predict(a, nbytes, topo, cal), cands.index(a)))
+
+
+def link_bytes(algo: str, nbytes: int, topo: Topology) -> float:
+    """Bytes through the busiest node link, each direction, in one allreduce: the flat ring
+    sends 2(p-1)/p n times the number of its edges that leave the node (block placement: one,
+    cyclic: every rank's), two_level 2(N-1)/N n (its Lmin rings together). 0 on one node."""
+    if topo.nodes == 1 or nbytes == 0:
+        return 0.0
+    if algo == "ring":
+        p = topo.size
+        return 2 * (p - 1) * _pattern(topo, "ring")[1] * nbytes / p
+    if algo == "two_level":
+        N = topo.nodes
+        return 2 * (N - 1) * nbytes / N
+    raise ValueError(f"link_bytes knows 'ring' and 'two_level', not {algo!r}")
+
+
+def ddp_step(params_bytes: int, bucket_bytes: int, backward_s: float, forward_s: float,
+             algo: str, topo: Topology, cal: Calibration = DEFAULTS) -> dict:
+    """A DDP training step: gradients fill buckets of ``bucket_bytes`` (the last one holds the
+    remainder) at an even rate over backward, the last one at its end;
+    1. bucket i's allreduce starts when it is ready and bucket i-1's has finished;
+    2. step = forward + max(end of backward, end of the last allreduce).
+    ``algo="auto"`` takes :func:`choose`'s pick per bucket. Returns ``step_s``, ``comm_s``
+    (all allreduces, overlapped or not) and ``exposed_s`` (communication after backward)."""
+    if params_bytes <= 0 or bucket_bytes <= 0:
+        raise ValueError("params_bytes and bucket_bytes must be > 0")
+    full, rest = divmod(params_bytes, bucket_bytes)
+    sizes = [bucket_bytes] * full + ([rest] if rest else [])
+    end = comm = done = 0.0
+    for size in sizes:
+        done += size
+        ready = backward_s * done / params_bytes
+        t = predict(choose(size, topo, cal) if algo == "auto" else algo, size, topo, cal)
+        end = max(end, ready) + t
+        comm += t
+    exposed = max(0.0, end - backward_s)
+    return {"step_s": forward_s + backward_s + exposed, "comm_s": comm, "exposed_s": exposed}

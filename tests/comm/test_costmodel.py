@@ -1,0 +1,247 @@
+"""The allreduce cost model (serial): predictions, the choice, the DDP step, calibration files."""
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from hpcdp.comm import costmodel
+from hpcdp.comm.costmodel import DEFAULTS, Calibration, Topology, choose, ddp_step, predict
+
+MIB = 1 << 20
+SIZES = [0, 8, 4096, 64 << 10, MIB, 25 * MIB, 256 * MIB]
+TOPOLOGIES = [Topology.uniform(1, 1), Topology.uniform(1, 4), Topology.uniform(2, 4),
+              Topology.uniform(8, 8), Topology((3, 2, 4)), Topology.uniform(4, 2, "cyclic"),
+              Topology((2, 3), "cyclic")]
+
+
+def _algos(topo):
+    return [a for a in costmodel.ALGOS if a != "shm" or topo.nodes == 1]
+
+
+@pytest.mark.parametrize("topo", TOPOLOGIES, ids=str)
+def test_predictions_are_positive_and_grow_with_the_buffer(topo):
+    for algo in _algos(topo):
+        times = [predict(algo, n, topo, DEFAULTS) for n in SIZES]
+        assert all(t > 0 and math.isfinite(t) for t in times), (algo, times)
+        assert times == sorted(times), (algo, times)
+        if topo.size > 1:
+            assert times[-1] > times[1], algo
+
+
+def test_one_rank_costs_the_call_alone():
+    one = Topology.uniform(1, 1)
+    for n in (0, 4, 256 * MIB):
+        assert predict("ring", n, one, DEFAULTS) == DEFAULTS.alpha_call
+        assert predict("shm", n, one, DEFAULTS) == DEFAULTS.alpha_call
+    assert predict("ring", 0, Topology.uniform(2, 4), DEFAULTS) == DEFAULTS.alpha_call
+
+
+def test_ring_formula_on_one_node():
+    """2(p-1) steps of n/p at beta_intra, the scatter-reduce half also reduces."""
+    cal, p, n = DEFAULTS, 4, 8 * MIB
+    chunk = n / p
+    expect = (cal.alpha_call + 2 * (p - 1) * (cal.alpha_step + chunk / cal.beta_intra)
+              + (p - 1) * chunk / cal.gamma)
+    assert predict("ring", n, Topology.uniform(1, p), cal) == pytest.approx(expect)
+
+
+def test_shm_needs_one_node():
+    with pytest.raises(ValueError, match="2 nodes"):
+        predict("shm", MIB, Topology.uniform(2, 4), DEFAULTS)
+    with pytest.raises(ValueError, match="unknown algorithm 'tree'"):
+        predict("tree", MIB, Topology.uniform(1, 4), DEFAULTS)
+    with pytest.raises(ValueError, match="nbytes"):
+        predict("ring", -1, Topology.uniform(1, 4), DEFAULTS)
+
+
+def test_shm_small_buffers_take_the_cheaper_one_round_variant():
+    topo, cal, n = Topology.uniform(1, 4), DEFAULTS, 16 << 10
+    L = 4
+    one_round = cal.alpha_call + cal.alpha_sync + n * (2 / cal.beta_mem + (L - 1) / cal.gamma)
+    two_rounds = (cal.alpha_call + 2 * cal.alpha_sync
+                  + n * (2 / cal.beta_mem + 1 / (L * cal.beta_mem) + (L - 1) / (L * cal.gamma)))
+    assert predict("shm", n, topo, cal) == pytest.approx(min(one_round, two_rounds))
+    assert predict("shm", n, topo, cal, small=0) == pytest.approx(two_rounds)
+    # segments: one flag-round pair each
+    big = 16 * MIB
+    assert (predict("shm", big, topo, cal, segment=MIB) - predict("shm", big, topo, cal)
+            == pytest.approx((16 - 4) * 2 * cal.alpha_sync))
+
+
+def test_two_level_beats_the_flat_ring_across_slow_links():
+    """2 nodes x 4 ranks, 1 Gbit/s: the flat ring sends 2(p-1)/p n = 1.75 n through each node
+    link, two_level 2(N-1)/N n = n."""
+    topo, n = Topology.uniform(2, 4), 64 * MIB
+    assert DEFAULTS.beta_inter == 125e6
+    assert costmodel.link_bytes("ring", n, topo) == pytest.approx(2 * 7 / 8 * n)
+    assert costmodel.link_bytes("two_level", n, topo) == pytest.approx(2 * 1 / 2 * n)
+    ring, two = predict("ring", n, topo, DEFAULTS), predict("two_level", n, topo, DEFAULTS)
+    assert two < ring
+    # with everything but the link free, each is its link bytes over the link bandwidth
+    fast = dataclasses.replace(DEFAULTS, alpha_step=0, alpha_inter=0, alpha_sync=0, alpha_call=0,
+                               beta_intra=1e30, beta_mem=1e30, gamma=1e30)
+    for algo in ("ring", "two_level"):
+        assert predict(algo, n, topo, fast) == pytest.approx(
+            costmodel.link_bytes(algo, n, topo) / fast.beta_inter)
+
+
+def test_two_level_formula_and_its_segments():
+    """Per segment: reduce-scatter in the node, Lmin rings across nodes sharing the link,
+    allgather in the node; more segments repeat the latencies, not the bytes."""
+    cal, N, L, n = DEFAULTS, 4, 2, 8 * MIB
+    topo = Topology.uniform(N, L)
+    chunk = n / (L * N)
+    expect = (cal.alpha_call
+              + n / cal.beta_mem + cal.alpha_sync + n / L / cal.beta_mem + (L - 1) * n / L / cal.gamma
+              + 2 * (N - 1) * (cal.alpha_step + cal.alpha_inter + L * chunk / cal.beta_inter)
+              + (N - 1) * chunk / cal.gamma
+              + cal.alpha_sync + n / cal.beta_mem)
+    assert predict("two_level", n, topo, cal, segment=n) == pytest.approx(expect)
+    per_segment = 2 * cal.alpha_sync + 2 * (N - 1) * (cal.alpha_step + cal.alpha_inter)
+    assert predict("two_level", n, topo, cal) == pytest.approx(expect + per_segment)  # 2 x 4 MiB
+
+
+def test_cyclic_placement_makes_every_ring_edge_leave_its_node():
+    block, cyclic = Topology.uniform(2, 4), Topology.uniform(2, 4, "cyclic")
+    assert block.rank_nodes() == (0, 0, 0, 0, 1, 1, 1, 1)
+    assert cyclic.rank_nodes() == (0, 1, 0, 1, 0, 1, 0, 1)
+    assert Topology((3, 1), "cyclic").rank_nodes() == (0, 1, 0, 0)
+    assert costmodel.link_bytes("ring", MIB, cyclic) == 4 * costmodel.link_bytes("ring", MIB, block)
+    assert predict("ring", 64 * MIB, cyclic, DEFAULTS) > predict("ring", 64 * MIB, block, DEFAULTS)
+    # two_level does not care where the ranks are
+    assert predict("two_level", MIB, cyclic, DEFAULTS) == predict("two_level", MIB, block, DEFAULTS)
+
+
+def test_topology_shape_and_checks():
+    t = Topology([4, 2, 3])
+    assert t.ranks_per_node == (4, 2, 3) and t.nodes == 3 and t.size == 9
+    assert Topology.uniform(3, 2) == Topology((2, 2, 2))
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        Topology(())
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        Topology((2, 0))
+    with pytest.raises(ValueError, match="placement"):
+        Topology((2,), "scatter")
+
+
+def test_two_level_on_one_node_is_shm_and_uneven_nodes_use_the_fewest():
+    one = Topology.uniform(1, 4)
+    assert predict("two_level", MIB, one, DEFAULTS) == predict("shm", MIB, one, DEFAULTS)
+    # a node with extra ranks adds inputs, not rings: never faster than the even layout
+    assert (predict("two_level", 64 * MIB, Topology((4, 6)), DEFAULTS)
+            > predict("two_level", 64 * MIB, Topology((4, 4)), DEFAULTS))
+
+
+def test_native_recursive_doubling_for_small_buffers_rabenseifner_for_large():
+    topo = Topology.uniform(8, 4)
+    small, large = 64, 64 * MIB
+    assert predict("native_rd", small, topo, DEFAULTS) < predict("native_rsag", small, topo, DEFAULTS)
+    assert predict("native_rsag", large, topo, DEFAULTS) < predict("native_rd", large, topo, DEFAULTS)
+    for n in (small, large):
+        assert predict("native", n, topo, DEFAULTS) == min(
+            predict("native_rd", n, topo, DEFAULTS), predict("native_rsag", n, topo, DEFAULTS))
+    # no Python call cost: far below hpcdp's ring for a tiny buffer on one node
+    one = Topology.uniform(1, 4)
+    assert predict("native", 8, one, DEFAULTS) < predict("ring", 8, one, DEFAULTS)
+    assert predict("native", 8, Topology((3,)), DEFAULTS) > 0  # not a power of two
+
+
+def test_choose_shm_on_one_node_two_level_for_big_buffers_across_nodes():
+    for n in (4096, MIB, 64 * MIB, 256 * MIB):
+        assert choose(n, Topology.uniform(1, 4), DEFAULTS) == "shm"
+    for nodes in (2, 8):
+        for n in (25 * MIB, 64 * MIB, 256 * MIB):
+            assert choose(n, Topology.uniform(nodes, 4), DEFAULTS) == "two_level"
+    assert choose(MIB, Topology.uniform(2, 4), DEFAULTS, available=("ring", "shm")) == "ring"
+
+
+def test_choose_breaks_ties_by_the_order_given():
+    one = Topology.uniform(1, 1)  # every hpcdp algorithm costs alpha_call
+    assert choose(MIB, one, DEFAULTS, available=("shm", "ring")) == "shm"
+    assert choose(MIB, one, DEFAULTS, available=("ring", "shm")) == "ring"
+    with pytest.raises(ValueError, match="applies"):
+        choose(MIB, Topology.uniform(2, 2), DEFAULTS, available=("shm",))
+
+
+def test_ddp_step_overlaps_buckets_with_backward():
+    topo, cal = Topology.uniform(2, 4), DEFAULTS
+    params, bucket = 100 * MIB, 25 * MIB
+    one = predict("ring", bucket, topo, cal)
+    r = ddp_step(params, bucket, 100.0, 1.0, "ring", topo, cal)   # long backward: hidden
+    assert r["comm_s"] == pytest.approx(4 * one)
+    assert r["exposed_s"] == pytest.approx(one)                  # only the last bucket shows
+    assert r["step_s"] == pytest.approx(1.0 + 100.0 + one)
+    r = ddp_step(params, bucket, 0.0, 1.0, "ring", topo, cal)     # no backward: all exposed
+    assert r["exposed_s"] == pytest.approx(r["comm_s"]) and r["step_s"] == pytest.approx(1 + r["comm_s"])
+    # a remainder bucket, and buckets queued behind a slow predecessor
+    r = ddp_step(90 * MIB, bucket, 0.01, 0.0, "ring", topo, cal)
+    last = predict("ring", 15 * MIB, topo, cal)
+    assert r["comm_s"] == pytest.approx(3 * one + last)
+    assert r["exposed_s"] == pytest.approx(0.01 * 25 / 90 + r["comm_s"] - 0.01)
+    auto = ddp_step(params, bucket, 0.0, 0.0, "auto", topo, cal)
+    assert auto["comm_s"] == pytest.approx(4 * predict("two_level", bucket, topo, cal))
+
+
+def test_calibration_round_trip(tmp_path):
+    cal = dataclasses.replace(DEFAULTS, gamma=1.5e9, alpha_inter=0.0, source="measured today")
+    path = costmodel.save(cal, tmp_path / "new" / "dir" / "cal.json")
+    assert path.exists() and sorted(p.name for p in path.parent.iterdir()) == ["cal.json"]
+    back = costmodel.load(path)
+    assert dataclasses.replace(back, source=cal.source) == cal
+    assert str(path) in back.source and "measured today" in back.source
+    assert Calibration.from_dict(cal.to_dict()) == cal
+    assert json.loads(path.read_text())["gamma"] == 1.5e9
+
+
+def test_load_looks_at_the_argument_then_the_environment_then_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv(costmodel.ENV_VAR, raising=False)
+    assert costmodel.default_path() == tmp_path / ".cache" / "hpcdp" / "calibration.json"
+    assert costmodel.load() is DEFAULTS                       # nothing written yet
+    costmodel.save(dataclasses.replace(DEFAULTS, gamma=1e9), costmodel.default_path())
+    assert costmodel.load().gamma == 1e9
+    env = costmodel.save(dataclasses.replace(DEFAULTS, gamma=2e9), tmp_path / "env.json")
+    monkeypatch.setenv(costmodel.ENV_VAR, str(env))
+    assert costmodel.load().gamma == 2e9
+    arg = costmodel.save(dataclasses.replace(DEFAULTS, gamma=3e9), tmp_path / "arg.json")
+    assert costmodel.load(arg).gamma == 3e9
+    assert costmodel.load(tmp_path / "absent.json") is DEFAULTS
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("beta_mem"), "missing field 'beta_mem'"),
+    (lambda d: d.update(gamma=-1.0), "field 'gamma' must be a finite number > 0"),
+    (lambda d: d.update(beta_intra=0), "field 'beta_intra'"),
+    (lambda d: d.update(alpha_step="fast"), "field 'alpha_step'"),
+    (lambda d: d.update(alpha_call=True), "field 'alpha_call'"),
+    (lambda d: d.update(beta_inter=float("inf")), "field 'beta_inter'"),
+    (lambda d: d.update(bandwidth=1.0), "unknown field(s) 'bandwidth'"),
+    (lambda d: d.update(source=3), "field 'source'"),
+])
+def test_a_malformed_file_names_itself_and_the_field(tmp_path, edit, message):
+    d = DEFAULTS.to_dict()
+    edit(d)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError) as e:
+        costmodel.load(path)
+    assert str(path) in str(e.value) and message in str(e.value)
+
+
+def test_a_file_that_is_not_json_or_not_an_object(tmp_path):
+    for text in ("{not json", "[1, 2]"):
+        path = tmp_path / "cal.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"calibration file {path}"):
+            costmodel.load(path)
+
+
+def test_importing_the_model_loads_neither_torch_nor_mpi_nor_numba():
+    code = ("import sys, hpcdp.comm.costmodel; "
+            "print(sorted(m for m in ('torch', 'mpi4py', 'numba') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
