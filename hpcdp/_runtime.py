@@ -9,6 +9,7 @@ hook that aborts the whole job when one rank dies of an uncaught exception.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -45,11 +46,21 @@ class _Runtime:
         self.comm = self.world.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self.local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.hostname = MPI.Get_processor_name() or socket.gethostname()
+        fake = _fake_node(os.environ.get("HPCDP_FAKE_NODES"), self.rank, self.size)
+        if fake is None:
+            self.local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        else:  # a topology for tests: ranks of one real node split into pretend nodes
+            self.local = self.comm.Split(fake, key=self.rank)
+            self.hostname = f"{self.hostname}/fake{fake}"
         self.local_rank = self.local.Get_rank()
         self.local_size = self.local.Get_size()
-        self.hostname = MPI.Get_processor_name() or socket.gethostname()
         self.hostnames = self.comm.allgather(self.hostname)
+        self.nodes = _nodes(self.hostnames)
+        self.algo = os.environ.get("HPCDP_ALGO") or "auto"
+        self.calibration = _shared_calibration(self.comm, self.rank)
+        self._auto = {}
+        self._cross = None
         self.device = "cpu"
         self.cuda = False
         torch = _import_torch()
@@ -74,15 +85,80 @@ class _Runtime:
         self._staging = {}
         self._scratch = {}
         self._node_window = None
+        self._shm_refused = False
 
     def node_window(self):
-        """The node's shared window for ``algo="shm"``: allocated on first use (a collective
-        over the node, reached by every rank at the same operation) and kept until MPI ends."""
+        """The node's shared control window (flag rounds): allocated on first use (a
+        collective over the node, reached by every rank at the same operation), kept until
+        MPI ends."""
         if self._node_window is None:
-            from .comm.shm import SHM_CAPACITY, NodeWindow
-            capacity = int(os.environ.get("HPCDP_SHM_BYTES", SHM_CAPACITY))
-            self._node_window = NodeWindow(self.local, self.MPI, capacity)
+            from .comm.nodewin import NodeWindow
+            mine = next(ranks for ranks in self.nodes if self.rank in ranks)
+            self._node_window = NodeWindow(self.local, self.MPI, mine)
         return self._node_window
+
+    def node_data(self):
+        """The node window with its data halves for the shared-memory algorithms, or
+        ``None`` where ``/dev/shm`` cannot hold them: then those calls take the ring, and
+        local rank 0 says so once. Called by every rank at the same operation (the first
+        shared-memory allreduce); the decision is agreed over all ranks."""
+        w = self.node_window()
+        if w.win is None and not self._shm_refused:
+            from .comm.nodewin import shm_free_bytes
+            from .comm.shm import SHM_CAPACITY
+            capacity = int(os.environ.get("HPCDP_SHM_BYTES", SHM_CAPACITY))
+            need = 2 * capacity * self.local_size + (1 << 20)
+            free = shm_free_bytes()
+            fits = free is None or free >= need
+            if self.comm.allreduce(int(fits), op=self.MPI.MIN):
+                w.attach_data(capacity)
+            else:
+                self._shm_refused = True
+                if self.local_rank == 0:
+                    _say_shm_refused(self, free, need, capacity)
+        return w if w.win is not None else None
+
+    def cross(self):
+        """``(communicator, slices)`` of the two-level allreduce: ``slices`` is the number of
+        ranks on the smallest node, and local rank ``k < slices`` of every node joins cross
+        communicator ``k`` (one rank per node, in node order; ``None`` for the others). Made
+        on first use, by every rank at the same operation."""
+        if self._cross is None:
+            slices = min(len(ranks) for ranks in self.nodes)
+            node = next(i for i, ranks in enumerate(self.nodes) if self.rank in ranks)
+            color = self.local_rank if self.local_rank < slices else self.MPI.UNDEFINED
+            comm = self.comm.Split(color, key=node)
+            self._cross = (None if comm == self.MPI.COMM_NULL else comm, slices)
+        return self._cross
+
+    def topology(self):
+        """The job's :class:`~hpcdp.comm.costmodel.Topology` (ranks per node, placement)."""
+        from .comm.costmodel import Topology
+        block = all(ranks == list(range(ranks[0], ranks[0] + len(ranks))) for ranks in self.nodes)
+        return Topology(tuple(len(ranks) for ranks in self.nodes), "block" if block else "cyclic")
+
+    def auto_algo(self, nbytes: int) -> str:
+        """What ``algo="auto"`` runs for an uncompressed host buffer of ``nbytes``: the cost
+        model's fastest (:mod:`hpcdp.comm.costmodel`) with rank 0's calibration, so every
+        rank picks the same."""
+        algo = self._auto.get(nbytes)
+        if algo is None:
+            from .comm.costmodel import choose
+            available = ("ring", "shm") if len(self.nodes) == 1 else ("ring", "two_level")
+            algo = self._auto[nbytes] = choose(nbytes, self.topology(), self.calibration, available)
+        return algo
+
+    def release(self) -> None:
+        """Free the shared windows and the cross-node communicators (collective: every rank
+        calls it, from :func:`finalize` or at exit). MPI must not be finalised with a window
+        still allocated: with some network layers (MPICH's OFI) every rank then exits with
+        an error."""
+        if self._node_window is not None:
+            self._node_window.free()
+            self._node_window = None
+        if self._cross is not None and self._cross[0] is not None:
+            self._cross[0].Free()
+        self._cross = None
 
     # reusable temporaries, one per (kind, dtype): operations never run concurrently
     def tmp(self, buf, nelem):
@@ -123,6 +199,56 @@ _rt: _Runtime | None = None
 _init_lock = threading.Lock()
 
 
+def _fake_node(spec: str | None, rank: int, size: int) -> int | None:
+    """The pretend node of ``rank`` under ``HPCDP_FAKE_NODES`` (ranks per node in rank order,
+    e.g. ``"3,1"``), or ``None`` when unset."""
+    if not spec:
+        return None
+    try:
+        counts = [int(c) for c in spec.split(",")]
+    except ValueError:
+        counts = []
+    if sum(counts) != size or min(counts, default=0) < 1:
+        raise ValueError(f"rank {rank}: HPCDP_FAKE_NODES={spec!r} must list the ranks of each pretend "
+                         f"node (positive integers, comma-separated) adding up to the job's {size} ranks")
+    ends = [sum(counts[:i + 1]) for i in range(len(counts))]
+    return next(i for i, end in enumerate(ends) if rank < end)
+
+
+def _nodes(hostnames: list) -> list[list[int]]:
+    """The ranks of each node, nodes in the order of their first rank."""
+    nodes: dict = {}
+    for r, host in enumerate(hostnames):
+        nodes.setdefault(host, []).append(r)
+    return list(nodes.values())
+
+
+def _shared_calibration(comm, rank: int):
+    """Rank 0's cost-model calibration (:func:`hpcdp.comm.costmodel.load`), on every rank: ranks
+    that read different files would pick different algorithms for the same call and hang.
+    A bad file is an error on every rank."""
+    from .comm import costmodel
+    try:
+        mine = costmodel.load() if rank == 0 else None
+    except ValueError as exc:
+        mine = exc
+    cal = comm.bcast(mine, root=0)
+    if isinstance(cal, Exception):
+        raise ValueError(f"rank {rank}: rank 0 could not read the cost-model calibration: {cal}")
+    return cal
+
+
+def _say_shm_refused(rt, free, need: int, capacity: int) -> None:
+    where = (f"/dev/shm has {free / 2**20:.0f} MiB free" if free is not None
+             else "the free space of /dev/shm is unknown")
+    sys.stderr.write(
+        f"[hpcdp rank {rt.rank} on {rt.hostname}] {where}, and the shared-memory allreduce needs "
+        f"{need / 2**20:.0f} MiB on some node (2 x HPCDP_SHM_BYTES={capacity} x {rt.local_size} "
+        "ranks + 1 MiB): calls that would use it take the ring instead. Give the container more "
+        "shared memory (docker run --shm-size=1g) or lower HPCDP_SHM_BYTES.\n")
+    sys.stderr.flush()
+
+
 def _torch_threads_setup():
     """On the thread that starts the progress thread: the setup that gives the progress thread
     the same number of torch intra-op threads. The count is per thread (an OpenMP setting): a
@@ -151,6 +277,7 @@ def init(comm=None) -> None:
         if _rt is not None:
             return
         _rt = _Runtime(comm)
+        atexit.register(finalize)  # before mpi4py finalises MPI: windows freed, engine drained
         if os.environ.get("HPCDP_ABORT_ON_EXCEPTION", "1") != "0":
             _install_abort_hook(_rt)
         timeout = float(os.environ.get("HPCDP_STALL_TIMEOUT", "600"))
@@ -214,15 +341,25 @@ def info() -> dict:
         "staging": rt.staging_mode(),
         "wait": "yield" if rt.yield_cpu else "spin",
         "wait_how": rt.wait_how,
+        "nodes": len(rt.nodes),
+        "ranks_per_node": [len(ranks) for ranks in rt.nodes],
+        "algo": rt.algo,
+        "auto_picks": {label: rt.auto_algo(nbytes) for label, nbytes in
+                       (("64KiB", 64 << 10), ("1MiB", 1 << 20), ("25MiB", 25 << 20))},
+        "calibration": rt.calibration.source,
     }
 
 
 def finalize() -> None:
-    """Drain and stop the progress engine (MPI itself is finalised by mpi4py at exit)."""
+    """Drain and stop the progress engine and free hpcdp's MPI windows and communicators
+    (MPI itself is finalised by mpi4py at exit). Runs at exit by itself; collective when
+    windows were made (every rank calls it)."""
     global _rt
     with _init_lock:
         if _rt is not None:
             _rt.engine.close()
+            if not _rt.MPI.Is_finalized():
+                _rt.release()
             _rt = None
 
 

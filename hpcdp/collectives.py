@@ -19,9 +19,11 @@ from .comm.dtypes import dtype_from_code
 from .comm.engine import Handle, rank_ranges
 from .comm.op import OpContext
 from .comm.ring import CodecFrames, PlainFrames, RingConfig, ring_allreduce, ring_allreduce_blocking
-from .comm.shm import shm_allreduce
+from .comm.nodewin import node_round
+from .comm.shm import shm_allreduce, shm_allreduce_blocking
 from .comm.spaces import space_for
 from .comm.lowrank import lowrank_allreduce
+from .comm.twolevel import two_level_allreduce
 from .comm.twophase import twophase_allreduce
 from .comm.waiting import drive
 from .compress.registry import code, code_name, resolve
@@ -34,8 +36,9 @@ __all__ = ["allreduce", "allreduce_async", "synchronize", "broadcast", "broadcas
 _OPS = {"sum": 1, "avg": 2}
 _OP_NAMES = {v: k for k, v in _OPS.items()}
 _ALLREDUCE, _BROADCAST = 1, 2
-#: allreduce algorithms for uncompressed host buffers (``algo=``, ``HPCDP_ALGO``)
-ALGOS = ("ring", "shm")
+#: allreduce algorithms for uncompressed host buffers (``algo=``, ``HPCDP_ALGO``; ``"auto"``
+#: picks one of them per call by the cost model)
+ALGOS = ("ring", "shm", "two_level")
 _ALGO_SHIFT = 8  # the argument check carries the algorithm above the compressor's code
 
 _cfg = RingConfig(int(os.environ.get("HPCDP_SEGMENT_BYTES", 1 << 20)),
@@ -43,23 +46,37 @@ _cfg = RingConfig(int(os.environ.get("HPCDP_SEGMENT_BYTES", 1 << 20)),
 
 
 # -- the cross-rank argument check --------------------------------------------------------
-def _check_gen(ctx, what: str, kind: int, buf, op: int, extra: int):
+def _check_gen(rt, ctx, what: str, kind: int, buf, op: int, extra: int):
     """Generator: make sure every rank called ``what`` with the same arguments.
+
+    Every rank on one node: a flag round of the node's shared window carrying each rank's
+    (kind, length, dtype, op, extra); every rank then compares all of them. Otherwise:
 
     1. reduce (kind, length, dtype, op, extra) and their negations with ``MPI_MAX`` in
        one ``MPI_Iallreduce`` (always nonblocking: MPI never matches a blocking
        collective with a nonblocking one, and ranks may reach the same collective
        through different calls);
     2. every rank passed the same iff each max equals minus the max of the negation;
-    3. otherwise gather what each rank passed and raise :class:`MismatchError` on all.
+    3. otherwise gather what each rank passed.
+
+    A mismatch raises :class:`MismatchError` on every rank, naming what each passed.
     """
-    ctx.at("argument check (native allreduce over all ranks)")
     mine = (kind, buf.n, buf.dtype.code, op, extra)
+    if rt.local_size == rt.size:
+        ctx.at("argument check (a flag round of the node's shared memory)")
+        yield from node_round(ctx, rt.node_window(), _signature(rt, what, buf, mine))
+        return
+    ctx.at("argument check (native allreduce over all ranks)")
     sig = np.array(mine + tuple(-v for v in mine), dtype=np.int64)
     yield ctx.comm.Iallreduce(ctx.MPI.IN_PLACE, sig, ctx.MPI.MAX)
     if not np.array_equal(sig[:5], -sig[5:]):
         everyone = yield from allgather_gen(ctx.comm, ctx.MPI, mine)
         _raise_mismatch(ctx.rank, what, buf, everyone)
+
+
+def _signature(rt, what: str, buf, mine: tuple):
+    """``(signature, on_mismatch)`` for a flag round that checks the call's arguments."""
+    return mine, functools.partial(_raise_mismatch, rt.rank, what, buf)
 
 
 def _allreduce_extra(comp, algo: str) -> int:
@@ -93,11 +110,15 @@ def _raise_mismatch(rank: int, what: str, buf, everyone: list) -> None:
 def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, state, algo="ring"):
     """Generator: the check, then the shared-memory allreduce, the plain ring, a ring codec's
     ring or a two-phase codec."""
-    if check:
-        yield from _check_gen(ctx, "allreduce", _ALLREDUCE, buf, op, _allreduce_extra(comp, algo))
     average = op == _OPS["avg"]
-    if algo == "shm":
-        yield from shm_allreduce(ctx, rt.node_window(), buf, average)
+    if algo == "shm" and rt.node_data() is not None:  # (None: /dev/shm too small, the ring)
+        yield from shm_allreduce(ctx, rt.node_data(), buf, average,
+                                 _shm_signature(rt, buf, op) if check else None)
+        return
+    if check:
+        yield from _check_gen(rt, ctx, "allreduce", _ALLREDUCE, buf, op, _allreduce_extra(comp, algo))
+    if algo == "two_level" and rt.node_data() is not None:
+        yield from _two_level_gen(rt, ctx, buf, average)
     elif comp is None:
         yield from _plain_gen(rt, ctx, buf, average, blocking)
     elif comp.collective == "two_phase":
@@ -115,6 +136,18 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
         if ctx.stats is not None:
             ctx.stats["nonfinite"] = bool(comp.has_nonfinite(frames.wire))
         space.done()  # the last decodes are done before the handle completes
+
+
+def _two_level_gen(rt, ctx, buf, average: bool):
+    """Generator: the two-level allreduce with this rank's cross-node context, if it has one."""
+    comm, slices = rt.cross()
+    cross = None
+    if comm is not None:
+        cross = OpContext(comm, rt.MPI, ctx.tag, ctx.stats, None, ctx.yield_cpu)
+        cross.where = ctx.where
+    seg = max(1, _cfg.segment_bytes // buf.dtype.itemsize)
+    yield from two_level_allreduce(ctx, rt.node_data(), cross, slices, buf, average, rt.size,
+                                   rt.tmp(buf, _cfg.window * seg), _cfg)
 
 
 def _codec_frames(rt, buf, comp, space, scale: float):
@@ -164,8 +197,25 @@ def _small_allreduce(rt, ctx, buf, op: int, check: bool) -> None:
     function: the check, then one exchange per ring step (:func:`ring_allreduce_blocking`).
     The engine calls it directly when idle; this is the case bounded by per-call cost."""
     if check:
-        drive(ctx.MPI, _check_gen(ctx, "allreduce", _ALLREDUCE, buf, op, 0), ctx.yield_cpu)
+        drive(ctx.MPI, _check_gen(rt, ctx, "allreduce", _ALLREDUCE, buf, op, 0), ctx.yield_cpu)
     _one_message_ring(rt, ctx, buf, op == _OPS["avg"])
+
+
+def _shm_call(rt, ctx, buf, op: int, check: bool) -> None:
+    """A blocking shared-memory call as one plain function (the ring where ``/dev/shm`` is
+    too small, see :meth:`_Runtime.node_data`)."""
+    ctx.at("shared-memory window (made by every rank of the node at its first use)")
+    window = rt.node_data()
+    if window is None:
+        drive(ctx.MPI, _allreduce_gen(rt, ctx, buf, op, check, True, None, None, "shm"), ctx.yield_cpu)
+        return
+    sig = _shm_signature(rt, buf, op) if check else None
+    shm_allreduce_blocking(ctx, window, buf, op == _OPS["avg"], sig)
+
+
+def _shm_signature(rt, buf, op: int):
+    mine = (_ALLREDUCE, buf.n, buf.dtype.code, op, _allreduce_extra(None, "shm"))
+    return _signature(rt, "allreduce", buf, mine)
 
 
 def _fits_one_message(buf, size: int) -> bool:
@@ -211,10 +261,13 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     runtime keeps for ``name`` and this length. ``on_step``: called
     from the progress engine after each ring step (1-bit: each of its two
     phases) as ``on_step(index, t0_ns, t1_ns, bytes_sent, bytes_recv)``, times
-    from ``time.perf_counter_ns`` (what level-2 traces record). ``algo``: ``"ring"``
-    or ``"shm"`` (every rank on one node: reduced through the node's shared memory, see
-    :mod:`hpcdp.comm.shm`), default ``$HPCDP_ALGO`` or ``"ring"``; it applies to uncompressed
-    host buffers, device buffers and compressed calls keep their own schedules.
+    from ``time.perf_counter_ns`` (what level-2 traces record). ``algo``: ``"ring"``,
+    ``"shm"`` (every rank on one node: reduced through the node's shared memory, see
+    :mod:`hpcdp.comm.shm`), ``"two_level"`` (shared memory inside nodes, one ring per
+    local rank across nodes, see :mod:`hpcdp.comm.twolevel`) or ``"auto"`` (the cost
+    model's pick for the size and topology, see :mod:`hpcdp.comm.costmodel`); default
+    ``$HPCDP_ALGO`` or ``"auto"``. It applies to uncompressed host buffers; device buffers
+    and compressed calls keep their own schedules.
     ``x`` must not be touched until the handle completes.
     """
     rt = runtime("allreduce_async()")
@@ -231,16 +284,23 @@ def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
 
 
 def _pick_algo(rt, algo, buf, comp) -> str:
-    """The algorithm this call runs: ``algo`` or ``$HPCDP_ALGO``, where it applies."""
-    algo = algo or os.environ.get("HPCDP_ALGO") or "ring"
-    if algo not in ALGOS:
-        raise ValueError(f"rank {rt.rank}: allreduce of {buf.name!r}: algo must be one of "
+    """The algorithm this call runs: ``algo``, else ``$HPCDP_ALGO`` (read at init), else
+    ``"auto"``; it applies to uncompressed host buffers (the others keep the ring)."""
+    algo = algo or rt.algo
+    if algo != "auto" and algo not in ALGOS:
+        raise ValueError(f"rank {rt.rank}: allreduce of {buf.name!r}: algo must be one of auto, "
                          f"{', '.join(ALGOS)} (argument or HPCDP_ALGO), got {algo!r}")
-    if algo == "shm" and rt.local_size != rt.size:
+    if algo == "shm" and len(rt.nodes) > 1:
         raise ValueError(f"rank {rt.rank}: allreduce of {buf.name!r}: algo='shm' needs every rank "
-                         f"on one node, and this job's {rt.size} ranks are on {len(set(rt.hostnames))} "
-                         "nodes: use algo='ring'")
-    return "shm" if algo == "shm" and buf.kind == "host" and comp is None else "ring"
+                         f"on one node, and this job's {rt.size} ranks are on {len(rt.nodes)} "
+                         "nodes: use algo='two_level' (or 'auto')")
+    if buf.kind != "host" or comp is not None:
+        return "ring"
+    if algo == "auto":
+        return rt.auto_algo(buf.n * buf.dtype.itemsize)
+    if algo == "two_level" and len(rt.nodes) == 1:
+        return "shm"  # one node: the two levels are one
+    return algo
 
 
 def _prepare_allreduce(rt, x, op, name, check, blocking, stats, compression, state, on_step,
@@ -253,9 +313,8 @@ def _prepare_allreduce(rt, x, op, name, check, blocking, stats, compression, sta
                                                     _device_of(buf))
     algo = _pick_algo(rt, algo, buf, comp)
     ctx = OpContext(rt.comm, rt.MPI, rt.engine.next_tag(), stats, on_step, rt.engine.yield_cpu)
-    if algo == "shm" and blocking:  # driven right here when the engine is idle, as the small ring
-        run = functools.partial(drive, ctx.MPI, _allreduce_gen(rt, ctx, buf, opcode, check, blocking, comp,
-                                                               state, algo), ctx.yield_cpu)
+    if algo == "shm" and blocking:  # run right here when the engine is idle, as the small ring
+        run = functools.partial(_shm_call, rt, ctx, buf, opcode, check)
     elif algo == "ring" and blocking and comp is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
         run = functools.partial(_small_allreduce, rt, ctx, buf, opcode, check)
     else:
@@ -272,7 +331,7 @@ def synchronize(handles) -> list:
 
 def _broadcast_gen(rt, ctx, buf, root: int):
     comm, MPI = rt.comm, rt.MPI
-    yield from _check_gen(ctx, "broadcast", _BROADCAST, buf, 0, root)
+    yield from _check_gen(rt, ctx, "broadcast", _BROADCAST, buf, 0, root)
     ctx.at(f"broadcast from rank {root}")
     if rt.size == 1 or buf.n == 0:
         return

@@ -1,6 +1,6 @@
-"""``hpcdp-bench allreduce``: hpcdp's ring against the MPI library's own
-``MPI_Allreduce`` (and hpcdp's shared-memory allreduce with ``--shm``, torch gloo with
-``--gloo``), in the same run, same buffers.
+"""``hpcdp-bench allreduce``: hpcdp's allreduce (the default algorithm, ``HPCDP_ALGO`` or
+``auto``) against the MPI library's own ``MPI_Allreduce`` (and each algorithm named in
+``--algos``, torch gloo with ``--gloo``), in the same run, same buffers.
 
 Run under the launcher, e.g. ``mpirun -np 4 hpcdp-bench allreduce``. Rank 0
 prints one JSON object per size::
@@ -23,6 +23,7 @@ device synchronisation, so a time covers the data being back on the GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -57,7 +58,7 @@ def _max(comm):
     return MPI.MAX
 
 
-def _host_runners(elems, comm, dist, check, shm: bool = False) -> dict:
+def _host_runners(elems, comm, dist, check, algos=()) -> dict:
     from mpi4py import MPI
 
     import hpcdp
@@ -65,8 +66,8 @@ def _host_runners(elems, comm, dist, check, shm: bool = False) -> dict:
     runners = {"hpcdp": lambda: hpcdp.allreduce(buf, check=check),
                "hpcdp_async": lambda: hpcdp.allreduce_async(buf, check=check).wait(),
                "native": lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)}
-    if shm:
-        runners["shm"] = lambda: hpcdp.allreduce(buf, check=check, algo="shm")
+    for algo in algos:
+        runners[algo] = functools.partial(hpcdp.allreduce, buf, check=check, algo=algo)
     if dist is not None:
         import torch
         t_buf = torch.zeros(elems, dtype=torch.float32)
@@ -125,8 +126,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--gloo", action="store_true", help="also time torch.distributed gloo all_reduce")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="buffers in host memory (numpy) or on this rank's GPU (torch CUDA tensors)")
-    ap.add_argument("--shm", action="store_true",
-                    help="also time algo='shm' (the node's shared memory; host buffers, one node)")
+    ap.add_argument("--algos", default="",
+                    help="also time these algorithms by name (comma-separated: ring, shm, two_level; "
+                         "host buffers): fields <algo>_time_s, <algo>_busbw, ratio_<algo>")
     ap.add_argument("--no-check", action="store_true",
                     help="skip hpcdp's cross-rank argument check (what DDP does internally)")
     return ap
@@ -146,11 +148,23 @@ def _measure(comm, runners: dict, args) -> tuple:
     return {k: statistics.median(v) for k, v in times.items()}, iters
 
 
+def _algos(args) -> list:
+    return [a for a in args.algos.split(",") if a]
+
+
+def _default_algo(rt, nbytes: int, device: str) -> str:
+    from hpcdp.collectives import ALGOS
+    if device != "cpu" or rt.algo not in ("auto",) + ALGOS:
+        return "ring"
+    return rt.auto_algo(nbytes) if rt.algo == "auto" else rt.algo
+
+
 def _record(rt, args, nbytes: int, med: dict, iters: dict, check: bool) -> dict:
     """One JSON line: times, bus bandwidths and ratios (peer time / hpcdp time)."""
     n = rt.size
     busbw = (2 * (n - 1) / n if n > 1 else 1.0) * nbytes / 1e9
     rec = {"bench": "allreduce", "np": n, "bytes": nbytes, "mpi": rt.vendor, "check": check,
+           "algo": _default_algo(rt, nbytes, args.device), "nodes": len(rt.nodes),
            "device": args.device, "hpcdp_time_s": med["hpcdp"], "native_time_s": med["native"],
            "hpcdp_async_time_s": med["hpcdp_async"],
            "hpcdp_busbw": busbw / med["hpcdp"], "native_busbw": busbw / med["native"],
@@ -159,10 +173,10 @@ def _record(rt, args, nbytes: int, med: dict, iters: dict, check: bool) -> dict:
     if args.device == "cuda":
         rec["native"] = "device" if rt.cuda_aware else "staged"
         rec["cuda_aware_how"] = rt.cuda_aware_how
-    if "shm" in med:
-        rec["shm_time_s"] = med["shm"]
-        rec["shm_busbw"] = busbw / med["shm"]
-        rec["ratio_shm"] = med["native"] / med["shm"]
+    for algo in _algos(args):
+        rec[f"{algo}_time_s"] = med[algo]
+        rec[f"{algo}_busbw"] = busbw / med[algo]
+        rec[f"ratio_{algo}"] = med["native"] / med[algo]
     if "gloo" in med:
         rec["gloo_time_s"] = med["gloo"]
         rec["gloo_busbw"] = busbw / med["gloo"]
@@ -174,7 +188,8 @@ def main(argv=None) -> int:
     """One JSON line per size from rank 0: hpcdp's blocking call (``hpcdp``), the same
     allreduce through the generator path (``hpcdp_async``: ``allreduce_async(x).wait()``,
     what the blocking one-message fast path is measured against), native MPI_Allreduce,
-    with ``--shm`` the shared-memory allreduce and with ``--gloo`` torch's gloo."""
+    each algorithm of ``--algos`` by name and with ``--gloo`` torch's gloo. The record's
+    ``algo`` says what the default algorithm ran at that size."""
     args = _parser().parse_args(argv)
     import hpcdp
     hpcdp.init()
@@ -190,7 +205,7 @@ def main(argv=None) -> int:
     for nbytes in _sizes(args.sizes):
         elems = nbytes // 4
         runners = _device_runners(elems, rt, rt.comm, dist, check) if args.device == "cuda" \
-            else _host_runners(elems, rt.comm, dist, check, args.shm)
+            else _host_runners(elems, rt.comm, dist, check, _algos(args))
         med, iters = _measure(rt.comm, runners, args)
         if rt.rank == 0:
             print(json.dumps(_record(rt, args, elems * 4, med, iters, check)), flush=True)

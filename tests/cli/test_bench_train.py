@@ -33,7 +33,8 @@ def test_all_modes_and_the_bucket_sweep_report_one_record_each():
     from hpcdp.torch.zoo import parameter_count
     p = run_mpi(2, ["-m", "hpcdp.cli.bench", "train", "--model", "mlp-small", "--global-batch", "64",
                     "--steps", "2", "--warmup", "1", "--rounds", "2", "--bucket-sweep", "1",
-                    "--modes", "single,naive,hpcdp,hpcdp-sync,hpcdp-copy,ddp"], timeout=200)
+                    "--modes", "single,naive,hpcdp,hpcdp-sync,hpcdp-copy,ddp"], timeout=200,
+                env={"HPCDP_ALGO": "ring"})
     train, summary = records(p)
     assert [(r["mode"], r.get("bucket_cap_mb")) for r in train] == [
         ("single", None), ("naive", None), ("hpcdp", 25.0), ("hpcdp-sync", 25.0), ("hpcdp-copy", 25.0),
@@ -48,8 +49,9 @@ def test_all_modes_and_the_bucket_sweep_report_one_record_each():
     by_mode = {(r["mode"], r.get("bucket_cap_mb")): r for r in train}
     assert by_mode[("single", None)]["bytes_sent_per_step"] == 0
     assert by_mode[("naive", None)]["bytes_sent_per_step"] is None
-    # ring at np=2: a rank sends half of every bucket twice (reduce-scatter, allgather); the
-    # last bucket carries a one-element control tail
+    # ring at np=2 (the job runs with HPCDP_ALGO=ring: the shared-memory algorithms send
+    # nothing): a rank sends half of every bucket twice (reduce-scatter, allgather); the last
+    # bucket carries a one-element control tail
     expected = (parameter_count("mlp-small") + 1) * 4
     for key in (("hpcdp", 25.0), ("hpcdp-sync", 25.0), ("hpcdp-copy", 25.0), ("hpcdp", 1.0)):
         assert by_mode[key]["bytes_sent_per_step"] == pytest.approx(expected, rel=1e-5)
@@ -63,7 +65,7 @@ def test_compressors_side_by_side_in_one_run():
     naive in the same rounds; the bytes come from the ring's counters."""
     p = run_mpi(2, ["-m", "hpcdp.cli.bench", "train", "--model", "digits", "--global-batch", "32",
                     "--steps", "2", "--warmup", "1", "--bucket-sweep", "", "--modes", "naive,hpcdp",
-                    "--compression", "none,fp16,onebit"], timeout=100)
+                    "--compression", "none,fp16,onebit"], timeout=100, env={"HPCDP_ALGO": "ring"})
     train, summary = records(p)
     assert [(r["mode"], r["compression"]) for r in train] == [
         ("naive", None), ("hpcdp", None), ("hpcdp", "fp16"), ("hpcdp", "onebit")]

@@ -1,0 +1,25 @@
+"""The two-level allreduce across pretend nodes (``HPCDP_FAKE_NODES`` splits one machine's
+ranks), even and uneven, 2 to 5 ranks: sums against a float64 reference, the same bits on
+every rank, blocking and async, ``algo="auto"``, the bytes each node sends, and a mismatch
+between ranks that pick different algorithms (the job asserts on every rank)."""
+import pytest
+
+from launch import run_mpi
+
+JOB = "tests/comm/twolevel_job.py"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("nodes", ["2,2", "3,1", "1,2,1", "2,3"])
+def test_two_level_on_pretend_nodes(nodes):
+    np_ = sum(int(c) for c in nodes.split(","))
+    p = run_mpi(np_, [JOB], timeout=150, env={"HPCDP_FAKE_NODES": nodes})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"OK nodes=[{nodes.replace(',', ', ')}]" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_pretend_topology_must_cover_the_job():
+    p = run_mpi(2, [JOB], timeout=50, env={"HPCDP_FAKE_NODES": "2,1"})
+    assert p.returncode != 0
+    assert "HPCDP_FAKE_NODES='2,1'" in p.stderr and "2 ranks" in p.stderr, p.stderr

@@ -1,0 +1,101 @@
+"""Worker of tests/comm/test_twolevel.py, run as ``mpirun -np N python twolevel_job.py`` with
+``HPCDP_FAKE_NODES`` splitting the ranks into pretend nodes. Asserts on every rank and exits
+non-zero on the first failure (the launcher then fails the test)."""
+import sys
+
+import numpy as np
+
+import hpcdp
+from hpcdp._runtime import runtime
+
+LENGTHS = [0, 1, 3, 17, 1001, 65537, 300_001]
+DTYPES = [np.float16, np.float32, np.float64, np.int64]
+
+
+def inputs(rank, n, dtype):
+    rng = np.random.default_rng(500 + 31 * rank + n)
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(-1000, 1000, n).astype(dtype)
+    return (rng.standard_normal(n) * 4).astype(dtype)
+
+
+def check_identical(comm, x, what):
+    everyone = comm.allgather(x.view(np.uint8).tobytes())
+    bad = [r for r, b in enumerate(everyone) if b != everyone[0]]
+    assert not bad, f"rank {comm.rank}: {what}: ranks {bad} hold other bits than rank 0"
+
+
+def check_sums(rt, algo):
+    rank, size = rt.rank, rt.size
+    for n in LENGTHS:
+        for dtype in DTYPES:
+            for op in ("sum", "avg") if dtype is not np.int64 else ("sum",):
+                x = inputs(rank, n, dtype)
+                ref = sum(inputs(r, n, dtype).astype(np.float64) for r in range(size))
+                if op == "avg":
+                    ref = ref / size
+                h = hpcdp.allreduce_async(x, op=op, algo=algo, name="x") if n % 2 else None
+                if h is None:
+                    hpcdp.allreduce(x, op=op, algo=algo, name="x")
+                else:
+                    h.wait()
+                what = f"{algo} {op} of {n} {np.dtype(dtype).name}"
+                if dtype is np.int64:
+                    assert np.array_equal(x, ref.astype(np.int64)), f"rank {rank}: {what}"
+                else:
+                    tol = {np.float16: 2e-2, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+                    assert np.allclose(x.astype(np.float64), ref, rtol=tol, atol=tol * size * 4), \
+                        f"rank {rank}: {what}: max error {np.abs(x - ref).max()}"
+                check_identical(rt.comm, x, what)
+
+
+def check_link_bytes(rt):
+    """Bytes that leave each node: the two-level rings send 2 (N-1)/N of the buffer per node,
+    whatever the ranks per node."""
+    n, nodes = 1 << 20, len(rt.nodes)
+    stats = {}
+    hpcdp.allreduce(np.ones(n, dtype=np.float32), algo="two_level", stats=stats)
+    node = next(i for i, ranks in enumerate(rt.nodes) if rt.rank in ranks)
+    sent = rt.comm.allgather((node, stats.get("bytes_sent", 0)))
+    per_node = [sum(b for i, b in sent if i == k) for k in range(nodes)]
+    expected = 2 * (nodes - 1) / nodes * 4 * n
+    for k, got in enumerate(per_node):
+        assert abs(got - expected) <= 64 * nodes, f"rank {rt.rank}: node {k} sent {got}, expected {expected}"
+
+
+def check_mismatch(rt):
+    if rt.size == 1:
+        return
+    x = np.ones(10, dtype=np.float32)
+    try:
+        hpcdp.allreduce(x, algo="ring" if rt.rank == 0 else "two_level", name="g")
+    except hpcdp.MismatchError as exc:
+        assert "algo=ring" in str(exc) and "algo=two_level" in str(exc), f"rank {rt.rank}: {exc}"
+    else:
+        raise AssertionError(f"rank {rt.rank}: no MismatchError")
+
+
+def check_shm_needs_one_node(rt):
+    try:
+        hpcdp.allreduce(np.ones(4, dtype=np.float32), algo="shm")
+    except ValueError as exc:
+        assert "needs every rank on one node" in str(exc) and "two_level" in str(exc), str(exc)
+    else:
+        raise AssertionError(f"rank {rt.rank}: algo='shm' across nodes was accepted")
+
+
+def main():
+    hpcdp.init()
+    rt = runtime()
+    for algo in ("two_level", "auto"):
+        check_sums(rt, algo)
+    if len(rt.nodes) > 1:
+        check_link_bytes(rt)
+        check_shm_needs_one_node(rt)
+    check_mismatch(rt)
+    if rt.rank == 0:
+        print(f"OK nodes={[len(r) for r in rt.nodes]}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
