@@ -12,6 +12,7 @@ Not marked ``mpi``: they run in the serial pytest invocation (the MPI ranks are
 started by Slurm, not by pytest).
 """
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -109,6 +110,92 @@ def test_allreduce_crosses_shaped_links(live):
         assert nbytes >= 16 * MiB, (
             f"only {nbytes} bytes left {node} through its shaped qdisc; expected >= 16 MiB "
             f"(all: {sent}); job output:\n{out}")
+
+
+BENCH = ROOT / "tools" / "cluster" / "bench_allreduce.py"
+BENCH_FIELDS = {"algo", "nodes", "ranks_per_node", "placement", "rate", "bytes", "time_s", "native_time_s",
+                "internode_bytes_per_node", "native_internode_bytes_per_node", "trials"}
+
+
+def ring_bytes_per_node(nbytes: int, node_of: list) -> float:
+    """Payload that hpcdp's flat ring sends out of each node per call, mean over nodes.
+
+    Rank r sends to r + 1 (mod p): p - 1 chunks of n/p in the scatter-reduce and p - 1 in the
+    allgather, 2 (p-1)/p n in all, over the edge r -> r+1; that edge crosses a link iff r and
+    r + 1 sit on different nodes, and then it leaves r's node."""
+    p = len(node_of)
+    per_edge = 2 * (p - 1) / p * nbytes
+    crossing = [node_of[r] for r in range(p) if node_of[r] != node_of[(r + 1) % p]]
+    nodes = sorted(set(node_of))
+    return sum(crossing.count(nd) * per_edge for nd in nodes) / len(nodes)
+
+
+def bench_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def check_ring_line(line: dict, nbytes: int, placement: str, trials: int, out: str) -> None:
+    assert set(line) == BENCH_FIELDS, out
+    assert (line["algo"], line["nodes"], line["ranks_per_node"], line["placement"], line["rate"],
+            line["bytes"], line["trials"]) == ("ring", 2, 2, placement, "1gbit", nbytes, trials), out
+    assert line["time_s"] > 0 and line["native_time_s"] > 0, out
+    # 4 ranks, 2 per node. block: nodes [1, 1, 2, 2]: only 1->2 and 3->0 cross, one edge out of
+    # each node, 2 (p-1)/p n = 1.5 n per node. cyclic: [1, 2, 1, 2]: every edge crosses, 3 n.
+    node_of = [0, 0, 1, 1] if placement == "block" else [0, 1, 0, 1]
+    expected = ring_bytes_per_node(nbytes, node_of)
+    assert expected == (1.5 if placement == "block" else 3.0) * nbytes
+    got = line["internode_bytes_per_node"]
+    # The counter is the qdisc's: wire bytes, TCP/IP/Ethernet headers included (+4.7 % here).
+    assert expected <= got <= 1.10 * expected, (
+        f"ring over 4 ranks ({placement}) sent {got} bytes per node per call; expected "
+        f"{expected:.0f} (+ <= 10 % headers):\n{out}")
+    # Any allreduce between 2 nodes must move at least n out of each: a figure below that
+    # means MPI found a shared-memory path between the namespaces.
+    assert line["native_internode_bytes_per_node"] >= nbytes, out
+    # The link is shaped: the ring's bytes take at least their time at 1 Gbit/s (tbf's
+    # 512 kB burst and the scheduling noise are well inside the factor 2).
+    assert line["time_s"] >= 0.5 * got * 8 / 1e9, out
+
+
+@pytest.mark.timeout(180)
+def test_bench_allreduce_two_ranks_per_node(live):
+    """bench_allreduce.py in a 2 nodes x 2 ranks job (block placement): the JSON line of the
+    ring, with the ring's link bytes per node as derived from its schedule."""
+    if (live.cpus or len(os.sched_getaffinity(0))) < 2:  # one core: advertise 2 CPUs per node
+        live.cpus = 2
+        live.up()
+    nbytes = 4 * MiB
+    script = "\n".join([
+        "#!/bin/bash",
+        "#SBATCH -N 2 --ntasks-per-node=2 --time=2",
+        "set -euo pipefail",
+        f". {shlex.quote(str(ENV_SH))}",
+        f"srun --mpi=pmi2 -N 2 -n 4 --ntasks-per-node=2 --distribution=block {shlex.quote(str(PYTHON))} "
+        f"{shlex.quote(str(BENCH))} --size-mib 4 --algos ring,no_such_algo --iters 2 --count-calls 2 "
+        "--placement block",
+        "",
+    ])
+    rc, out = live.sbatch_wait(script, timeout=120)  # rate: HPCDP_CLUSTER_RATE, from env.sh
+    assert rc == 0, out
+    lines = bench_lines(out)
+    assert [x["algo"] for x in lines] == ["ring", "no_such_algo"], out
+    check_ring_line(lines[0], nbytes, "block", 2, out)
+    assert lines[1]["error"].startswith("ValueError"), out  # reported, and the job went on
+
+
+@pytest.mark.timeout(180)
+def test_harness_bench_cli_cyclic_json(live):
+    """`harness.py bench --json`: its own cluster (up, one job, down), only JSON on stdout,
+    the placement reaches srun (cyclic doubles the ring's link bytes), the rate the job."""
+    cmd = [str(PYTHON), str(ROOT / "tools" / "cluster" / "harness.py"), "bench", "--nodes", "2",
+           "--ranks-per-node", "2", "--placement", "cyclic", "--rates", "1gbit", "--size-mib", "4",
+           "--algos", "ring", "--iters", "2", "--json", "--timeout", "120"]
+    r = harness._run(cmd, timeout=170, env=harness._base_env())
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1, f"stdout must hold only the JSON lines:\n{r.stdout}\n{r.stderr}"
+    check_ring_line(json.loads(lines[0]), 4 * MiB, "cyclic", 2, r.stdout + r.stderr)
+    assert live.recorded() == {}, "harness.py bench left the cluster up"
 
 
 @pytest.mark.timeout(120)

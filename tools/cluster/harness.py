@@ -17,11 +17,14 @@ raised, so nothing here can hang. Output goes through temporary files, not pipes
 a daemon that inherits a descriptor cannot block us either.
 
 Command line: ``python3 tools/cluster/harness.py check`` prints what ``can_run()`` says;
-``python3 tools/cluster/harness.py bench --rates 1gbit,2gbit`` brings the cluster up, times
-a 64 MiB Allreduce across the nodes at each rate (with tc byte counts), and tears it down.
+``python3 tools/cluster/harness.py bench --rates 1gbit --nodes 2 --ranks-per-node 2
+--algos ring,two_level --json`` brings the cluster up, times hpcdp's allreduce algorithms
+next to MPI_Allreduce at each rate (tools/cluster/bench_allreduce.py, one job per rate),
+prints one JSON line per (rate, algorithm), and tears the cluster down.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -177,12 +180,16 @@ class Cluster:
     nodes: number of fake nodes node1..nodeN.
     dir:   state directory (default $HPCDP_CLUSTER_DIR or /tmp/hpcdp-cluster).
     keep:  leave the cluster up on exit (default: env HPCDP_CLUSTER_KEEP=1).
+    cpus:  Slurm CPUs per node (default: up.sh's, $HPCDP_CLUSTER_CPUS or nproc); more than
+           the machine has lets a job run several ranks per node on few cores.
     """
 
     def __init__(self, rate: str = "1gbit", nodes: int = 2, dir: str | None = None,
-                 up_timeout: float = 300.0, down_timeout: float = 60.0, keep: bool | None = None):
+                 up_timeout: float = 300.0, down_timeout: float = 60.0, keep: bool | None = None,
+                 cpus: int | None = None):
         self.rate = str(rate)
         self.nodes = int(nodes)
+        self.cpus = None if cpus is None else int(cpus)
         self.dir = Path(dir or os.environ.get("HPCDP_CLUSTER_DIR") or DEFAULT_DIR)
         self.up_timeout = up_timeout
         self.down_timeout = down_timeout
@@ -208,7 +215,8 @@ class Cluster:
 
     def up(self) -> None:
         """Run up.sh (idempotent). Raises ClusterError with up.sh's stderr on failure."""
-        r = _run(["bash", str(UP_SH), "--rate", self.rate, "--nodes", str(self.nodes)],
+        cpus = [] if self.cpus is None else ["--cpus", str(self.cpus)]
+        r = _run(["bash", str(UP_SH), "--rate", self.rate, "--nodes", str(self.nodes), *cpus],
                  timeout=self.up_timeout, env=self._script_env())
         if r.returncode != 0:
             raise ClusterError(f"up.sh failed (rc={r.returncode}):\n{r.stderr[-3000:]}")
@@ -364,32 +372,80 @@ class Cluster:
 
 def bench(rates: Sequence[str], size_mib: float = 64, iters: int = 5, nodes: int = 2,
           python: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
-          timeout: float = 300.0) -> list[dict]:
-    """Time mpi4py's native Allreduce (tools/cluster/bench_allreduce.py) across ``nodes``
-    nodes at each rate in ``rates``, one batch job per rate, and count the tc bytes.
+          timeout: float = 300.0, ranks_per_node: int = 1, placement: str = "block",
+          algos: Sequence[str] = ("ring",), count_calls: int = 2, log=None) -> list[dict]:
+    """Time hpcdp's allreduce algorithms next to native MPI_Allreduce on the cluster.
 
-    Returns one dict per rate: rate, min_ms, median_ms, busbw_gbit, and the bytes that
-    left each node through its qdisc (total over warm-up + ``iters`` allreduces).
+    Brings the cluster up (``nodes`` nodes, enough Slurm CPUs for ``ranks_per_node``),
+    runs one batch job of tools/cluster/bench_allreduce.py per rate in ``rates`` with
+    ``srun -N nodes -n nodes*ranks_per_node --distribution=placement`` (block: ranks
+    0..K-1 on node1; cyclic: rank r on node r mod nodes), and tears the cluster down,
+    also on failure. Returns the job's JSON lines as dicts, one per (rate, algo), in
+    order: algo, nodes, ranks_per_node, placement, rate, bytes, time_s, native_time_s,
+    internode_bytes_per_node, native_internode_bytes_per_node, trials; or algo, ...,
+    error where hpcdp refused the algorithm (see bench_allreduce.py). ``log``: a callable
+    for progress lines (default: stderr).
     """
+    if placement not in ("block", "cyclic"):
+        raise ValueError(f"placement must be block or cyclic, got {placement!r}")
+    if ranks_per_node < 1 or nodes < 1 or not rates or not algos:
+        raise ValueError("need nodes >= 1, ranks_per_node >= 1, a rate and an algorithm")
+    log = log or (lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
     py = Path(python) if python else REPO_ROOT / ".venv" / "bin" / "python"
-    rows = []
-    with Cluster(rate=rates[0], nodes=nodes) as c:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = ranks_per_node if ranks_per_node > cores else None  # None: up.sh's default (nproc)
+    ntasks = nodes * ranks_per_node
+    minutes = int(timeout // 60) + 2
+    rows: list[dict] = []
+    t_up = time.monotonic()
+    log(f"bringing up {nodes} node(s) at {rates[0]}" + (f", {cpus} Slurm CPUs per node" if cpus else ""))
+    with Cluster(rate=rates[0], nodes=nodes, cpus=cpus) as c:
+        log(f"up in {time.monotonic() - t_up:.1f} s")
         for rate in rates:
             c.set_rate(rate)
-            script = (f"#!/bin/bash\n#SBATCH -N {nodes} -n {nodes} --time=5\nset -euo pipefail\n"
+            cmd = [str(py), str(HERE / "bench_allreduce.py"), "--size-mib", f"{size_mib:g}",
+                   "--algos", ",".join(algos), "--iters", str(iters), "--count-calls", str(count_calls),
+                   "--placement", placement]
+            script = (f"#!/bin/bash\n#SBATCH -N {nodes} --ntasks-per-node={ranks_per_node} "
+                      f"--time={minutes}\nset -euo pipefail\n"
                       f". {shlex.quote(str(ENV_SH))}\n"
-                      f"srun --mpi=pmi2 -N {nodes} -n {nodes} {shlex.quote(str(py))} "
-                      f"{shlex.quote(str(HERE / 'bench_allreduce.py'))} {size_mib:g} {iters}\n")
-            before = {n: c.tc_bytes(n) for n in c.node_names}
-            rc, out = c.sbatch_wait(script, env=env, timeout=timeout)
-            sent = {n: c.tc_bytes(n) - before[n] for n in c.node_names}
-            m = re.search(r"RESULT .*min_ms=([\d.]+) median_ms=([\d.]+) busbw_gbit=([\d.]+)", out)
-            if rc != 0 or not m:
-                raise ClusterError(f"benchmark job failed at rate {rate} (rc={rc}):\n{out}")
-            rows.append({"rate": rate, "min_ms": float(m[1]), "median_ms": float(m[2]),
-                         "busbw_gbit": float(m[3]), "tc_bytes": sent, "allreduces": iters + 1,
-                         "output": out})
+                      f"srun --mpi=pmi2 -N {nodes} -n {ntasks} --ntasks-per-node={ranks_per_node} "
+                      f"--distribution={placement} {' '.join(map(shlex.quote, cmd))}\n")
+            job_env = {"HPCDP_BENCH_RATE": rate, "HPCDP_BENCH_PLACEMENT": placement, **(env or {})}
+            log(f"rate {rate}: {nodes} x {ranks_per_node} ranks ({placement}), {size_mib:g} MiB, "
+                f"algos {','.join(algos)}, {iters} trials")
+            t0 = time.monotonic()
+            rc, out = c.sbatch_wait(script, env=job_env, timeout=timeout)
+            lines = []
+            for line in out.splitlines():
+                if line.startswith("{"):
+                    try:
+                        obj = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(obj, dict) and "algo" in obj:
+                        lines.append(obj)
+            if rc != 0 or len(lines) != len(algos):
+                how = ("every result line was printed, then the job failed (at exit? see the tail)"
+                       if len(lines) == len(algos) else f"{len(lines)} of {len(algos)} result lines")
+                raise ClusterError(f"benchmark job failed at rate {rate} (rc={rc}; {how}):\n{out[-6000:]}")
+            log(f"rate {rate}: job done in {time.monotonic() - t0:.1f} s")
+            rows.extend(lines)
     return rows
+
+
+def _table(rows: list[dict]) -> str:
+    """The bench rows as a Markdown table (times in ms, link bytes per node per call)."""
+    out = ["| rate | nodes x ranks | placement | algo | ms | native ms | link bytes/node | native link bytes/node |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = f"| {r['rate']} | {r['nodes']} x {r['ranks_per_node']} | {r['placement']} | {r['algo']} |"
+        if "error" in r:
+            out.append(f"{head} {r['error'][:80]} | | | |")
+        else:
+            out.append(f"{head} {r['time_s'] * 1e3:.1f} | {r['native_time_s'] * 1e3:.1f} | "
+                       f"{r['internode_bytes_per_node']:,} | {r['native_internode_bytes_per_node']:,} |")
+    return "\n".join(out)
 
 
 def _main(argv: list[str]) -> int:
@@ -398,11 +454,19 @@ def _main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="harness.py", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd")
     sub.add_parser("check", help="print what can_run() says (exit 1 if it cannot run)")
-    b = sub.add_parser("bench", help="Allreduce across the nodes at several rates (up, run, down)")
+    b = sub.add_parser("bench", help="hpcdp allreduce algorithms vs MPI_Allreduce at several rates "
+                                     "(up, one job per rate, down)")
     b.add_argument("--rates", default="1gbit,2gbit", help="comma-separated tbf rates (or none)")
     b.add_argument("--size-mib", type=float, default=64)
-    b.add_argument("--iters", type=int, default=5)
+    b.add_argument("--iters", type=int, default=5, help="timed trials per algorithm (algo, native pairs)")
+    b.add_argument("--count-calls", type=int, default=2, help="calls in each byte-counted phase")
     b.add_argument("--nodes", type=int, default=2)
+    b.add_argument("--ranks-per-node", type=int, default=1)
+    b.add_argument("--placement", choices=("block", "cyclic"), default="block",
+                   help="srun --distribution: block puts ranks 0..K-1 on node1, cyclic alternates nodes")
+    b.add_argument("--algos", default="ring", help="comma-separated hpcdp.allreduce algo names")
+    b.add_argument("--json", action="store_true", help="print only the JSON lines on stdout")
+    b.add_argument("--timeout", type=float, default=300, help="per job, seconds")
     b.add_argument("--python", default=None, help="python with mpi4py (default: <repo>/.venv)")
     b.add_argument("--env", action="append", default=[], metavar="K=V",
                    help="extra job environment, e.g. MPIR_CVAR_CH4_NETMOD=ucx")
@@ -412,15 +476,25 @@ def _main(argv: list[str]) -> int:
         print(("OK: " if ok else "CANNOT RUN: ") + why)
         return 0 if ok else 1
     extra = dict(kv.split("=", 1) for kv in a.env)
-    rows = bench(a.rates.split(","), a.size_mib, a.iters, a.nodes, a.python, extra)
-    names = sorted(rows[0]["tc_bytes"])
-    print(f"# {a.size_mib:g} MiB float32 Allreduce (mpi4py native), {a.nodes} nodes, "
-          f"{a.iters} timed + 1 warm-up; tc bytes are per node over all {a.iters + 1} allreduces")
-    print("| rate | min ms | median ms | busbw Gbit/s | " + " | ".join(f"tc bytes {n}" for n in names) + " |")
-    print("|---|---|---|---|" + "---|" * len(names))
-    for r in rows:
-        print(f"| {r['rate']} | {r['min_ms']:.0f} | {r['median_ms']:.0f} | {r['busbw_gbit']:.2f} | "
-              + " | ".join(f"{r['tc_bytes'][n]:,}" for n in names) + " |")
+    # SIGTERM (timeout(1), a CI runner) unwinds like Ctrl-C, so that Cluster.__exit__ runs down.sh.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    t0 = time.monotonic()
+    try:
+        rows = bench([r for r in a.rates.split(",") if r], a.size_mib, a.iters, a.nodes, a.python, extra,
+                     timeout=a.timeout, ranks_per_node=a.ranks_per_node, placement=a.placement,
+                     algos=[x for x in a.algos.split(",") if x], count_calls=a.count_calls)
+    except (ClusterError, ValueError) as e:
+        print(f"[bench] FAILED: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(f"[bench] {len(rows)} line(s) in {time.monotonic() - t0:.1f} s (cluster torn down)",
+          file=sys.stderr, flush=True)
+    if a.json:
+        for r in rows:
+            print(json.dumps(r), flush=True)
+    else:
+        print(f"# {a.size_mib:g} MiB float32 allreduce, median of {a.iters} trials (slowest rank), "
+              f"alternating with MPI_Allreduce; link bytes: mean over nodes per call")
+        print(_table(rows))
     return 0
 
 

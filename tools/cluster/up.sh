@@ -9,8 +9,10 @@
 # each node namespace. All state is under $HPCDP_CLUSTER_DIR; the system /etc/slurm
 # and /etc/munge are not touched (we run our own munged with a private key and socket).
 #
-# Usage: up.sh [--rate 1gbit|2gbit|500mbit|none] [--nodes N] [--dir DIR]
+# Usage: up.sh [--rate 1gbit|2gbit|500mbit|none] [--nodes N] [--cpus C] [--dir DIR]
 #              [--no-install] [--install-only]
+# --cpus: Slurm CPUs per node (default: nproc); more than the machine has is fine (several
+#         ranks per node oversubscribe the shared cores; SlurmdParameters=config_overrides).
 # Env:   HPCDP_CLUSTER_DIR, HPCDP_CLUSTER_RATE, HPCDP_CLUSTER_NODES, ... (see common.sh)
 # Re-running with the cluster up only re-applies what differs (e.g. a new --rate is
 # applied to the qdiscs in place, without restarting Slurm).
@@ -26,11 +28,13 @@ while (($#)); do
         --rate=*) HPCDP_CLUSTER_RATE=${1#*=}; shift ;;
         --nodes)  HPCDP_CLUSTER_NODES=${2:?--nodes needs a value}; shift 2 ;;
         --nodes=*) HPCDP_CLUSTER_NODES=${1#*=}; shift ;;
+        --cpus)   HPCDP_CLUSTER_CPUS=${2:?--cpus needs a value}; shift 2 ;;
+        --cpus=*) HPCDP_CLUSTER_CPUS=${1#*=}; shift ;;
         --dir)    HPCDP_CLUSTER_DIR=${2:?--dir needs a value}; shift 2 ;;
         --dir=*)  HPCDP_CLUSTER_DIR=${1#*=}; shift ;;
         --no-install)   install=0; shift ;;
         --install-only) install_only=1; shift ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
         *) echo "up.sh: unknown argument: $1 (try --help)" >&2; exit 2 ;;
     esac
 done
@@ -44,6 +48,7 @@ export HPCDP_CLUSTER_DIR HPCDP_CLUSTER_RATE HPCDP_CLUSTER_NODES
 ((HPCDP_CLUSTER_NODES <= 250)) || die "--nodes must be 1..250, got '$HPCDP_CLUSTER_NODES'"
 [[ $HPCDP_CLUSTER_RATE == none || $HPCDP_CLUSTER_RATE =~ ^[0-9]+(\.[0-9]+)?[kmgt]?bit$ ]] \
     || die "--rate must be like 1gbit, 2gbit, 500mbit or none; got '$HPCDP_CLUSTER_RATE'"
+[[ $HPCDP_CLUSTER_CPUS =~ ^[1-9][0-9]{0,3}$ ]] || die "--cpus must be 1..9999, got '$HPCDP_CLUSTER_CPUS'"
 [[ $HPCDP_CLUSTER_SUBNET =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || die "HPCDP_CLUSTER_SUBNET must be a /24 prefix like 10.77.0"
 
 # ---------------------------------------------------------------- packages
@@ -208,6 +213,9 @@ SchedulerType=sched/backfill
 FirstJobId=$first_job_id
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
+# Trust CPUs= below even where it exceeds the real cores (several ranks per fake node on a
+# small machine); without it slurmd reports the real count and the node is drained.
+SlurmdParameters=config_overrides
 # pip MPICH speaks PMI-2 (not PMIx); the Slurm default (none) would give singletons.
 MpiDefault=pmi2
 ReturnToService=2
@@ -304,6 +312,7 @@ cat >"$C_ENVFILE" <<EOF
 HPCDP_CLUSTER_DIR=$HPCDP_CLUSTER_DIR
 HPCDP_CLUSTER_NODES=$N
 HPCDP_CLUSTER_RATE=$HPCDP_CLUSTER_RATE
+HPCDP_CLUSTER_CPUS=$HPCDP_CLUSTER_CPUS
 HPCDP_CLUSTER_SUBNET=$NET
 HPCDP_CLUSTER_BRIDGE=$HPCDP_CLUSTER_BRIDGE
 HPCDP_CLUSTER_VETH_PREFIX=$HPCDP_CLUSTER_VETH_PREFIX
