@@ -144,7 +144,12 @@ class _Runtime:
         algo = self._auto.get(nbytes)
         if algo is None:
             from .comm.costmodel import choose
-            available = ("ring", "shm") if len(self.nodes) == 1 else ("ring", "two_level")
+            from .comm.shm import SHM_CAPACITY
+            # shm only up to one segment: beyond, the ring's pipeline wins here at 16 MiB and
+            # up (np = 2 and 4), which the model's in-cache copy speed does not see
+            one = int(os.environ.get("HPCDP_SHM_BYTES", SHM_CAPACITY))
+            available = ("ring", "two_level") if len(self.nodes) > 1 else \
+                ("ring", "shm") if nbytes <= one else ("ring",)
             algo = self._auto[nbytes] = choose(nbytes, self.topology(), self.calibration, available)
         return algo
 

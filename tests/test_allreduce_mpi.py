@@ -16,6 +16,13 @@ LENGTHS = [0, 1, 2, 3, 5, 17, 1001, 65537, 300_001]
 NP_DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
 
 
+
+@pytest.fixture(autouse=True)
+def _ring(rt, monkeypatch):
+    """This file tests the ring against its one-process replay: the default algorithm is the
+    ring here (tests/comm/test_shm_mpi.py and test_twolevel.py cover the others)."""
+    monkeypatch.setattr(rt, "algo", "ring")
+
 def _inputs(rank, n, dtype):
     rng = np.random.default_rng(1000 * rank + n)
     if np.issubdtype(dtype, np.integer):
@@ -173,7 +180,7 @@ def test_stats_count_ring_bytes(world):
     rank, size = world.Get_rank(), world.Get_size()
     stats = {}
     x = np.zeros(4001, dtype=np.float32)
-    hpcdp.allreduce(x, stats=stats, check=False)
+    hpcdp.allreduce(x, stats=stats, check=False, algo="ring")
     sent = 0 if size == 1 else RingSchedule(4001, size, rank, 1).bytes_sent(4)
     recv = 0 if size == 1 else RingSchedule(4001, size, (rank - 1) % size, 1).bytes_sent(4)
     assert stats.get("bytes_sent", 0) == sent

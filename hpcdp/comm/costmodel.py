@@ -81,8 +81,9 @@ class Calibration:
 # quiet), and a 1 Gbit/s link between nodes: alpha_step 2-3 us, alpha_sync (a flag round)
 # 0.6-1 us, alpha_call ~3 us, beta_intra 15-17 GB/s, beta_mem and gamma 40-44 GB/s over a
 # 4 MiB segment (in cache). Two ranks a core (np = 4): 9-13 us, 5-7 us, 5 GB/s, 17-19 GB/s.
-# With these, "auto" on one node takes shm below 16 MiB at two ranks and everywhere at
-# four; on several nodes two_level. Measure your machine (hpcdp-bench calibrate).
+# With these the model prefers shm on one node below 16 MiB at two ranks and at every size
+# at four (the runtime offers it only up to one segment, see _Runtime.auto_algo), and
+# two_level across nodes. Measure your machine (hpcdp-bench calibrate).
 DEFAULTS = Calibration(alpha_step=2.5e-6, alpha_inter=50e-6, alpha_sync=0.8e-6, alpha_call=3e-6,
                        beta_intra=16e9, beta_inter=125e6, beta_mem=40e9, gamma=40e9)
 

@@ -21,6 +21,13 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(90)]
 STEPS = 4
 
 
+
+@pytest.fixture(autouse=True)
+def _ring(rt, monkeypatch):
+    """These traces assert the ring's steps and bytes (the shared-memory algorithms record
+    no per-step events yet and send no bytes)."""
+    monkeypatch.setattr(rt, "algo", "ring")
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(24, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
