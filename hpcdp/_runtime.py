@@ -58,6 +58,8 @@ class _Runtime:
         self.hostnames = self.comm.allgather(self.hostname)
         self.nodes = _nodes(self.hostnames)
         self.algo = os.environ.get("HPCDP_ALGO") or "auto"
+        from .comm.shm import SHM_CAPACITY
+        self.shm_bytes = int(os.environ.get("HPCDP_SHM_BYTES", SHM_CAPACITY))  # a segment
         self.calibration = _shared_calibration(self.comm, self.rank)
         self._auto = {}
         self._cross = None
@@ -105,8 +107,7 @@ class _Runtime:
         w = self.node_window()
         if w.win is None and not self._shm_refused:
             from .comm.nodewin import shm_free_bytes
-            from .comm.shm import SHM_CAPACITY
-            capacity = int(os.environ.get("HPCDP_SHM_BYTES", SHM_CAPACITY))
+            capacity = self.shm_bytes
             need = 2 * capacity * self.local_size + (1 << 20)
             free = shm_free_bytes()
             fits = free is None or free >= need
@@ -144,12 +145,10 @@ class _Runtime:
         algo = self._auto.get(nbytes)
         if algo is None:
             from .comm.costmodel import choose
-            from .comm.shm import SHM_CAPACITY
             # shm only up to one segment: beyond, the ring's pipeline wins here at 16 MiB and
             # up (np = 2 and 4), which the model's in-cache copy speed does not see
-            one = int(os.environ.get("HPCDP_SHM_BYTES", SHM_CAPACITY))
             available = ("ring", "two_level") if len(self.nodes) > 1 else \
-                ("ring", "shm") if nbytes <= one else ("ring",)
+                ("ring", "shm") if nbytes <= self.shm_bytes else ("ring",)
             algo = self._auto[nbytes] = choose(nbytes, self.topology(), self.calibration, available)
         return algo
 

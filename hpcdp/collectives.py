@@ -111,14 +111,17 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
     """Generator: the check, then the shared-memory allreduce, the plain ring, a ring codec's
     ring or a two-phase codec."""
     average = op == _OPS["avg"]
-    if algo == "shm" and rt.node_data() is not None:  # (None: /dev/shm too small, the ring)
-        yield from shm_allreduce(ctx, rt.node_data(), buf, average,
+    # (no window where /dev/shm is too small: those calls take the ring)
+    window = rt.node_data() if algo == "shm" else None
+    if window is not None:
+        yield from shm_allreduce(ctx, window, buf, average,
                                  _shm_signature(rt, buf, op) if check else None)
         return
     if check:
         yield from _check_gen(rt, ctx, "allreduce", _ALLREDUCE, buf, op, _allreduce_extra(comp, algo))
-    if algo == "two_level" and rt.node_data() is not None:
-        yield from _two_level_gen(rt, ctx, buf, average)
+    window = rt.node_data() if algo == "two_level" else None
+    if window is not None:
+        yield from _two_level_gen(rt, ctx, window, buf, average)
     elif comp is None:
         yield from _plain_gen(rt, ctx, buf, average, blocking)
     elif comp.collective == "two_phase":
@@ -138,7 +141,7 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
         space.done()  # the last decodes are done before the handle completes
 
 
-def _two_level_gen(rt, ctx, buf, average: bool):
+def _two_level_gen(rt, ctx, window, buf, average: bool):
     """Generator: the two-level allreduce with this rank's cross-node context, if it has one."""
     comm, slices = rt.cross()
     cross = None
@@ -146,7 +149,7 @@ def _two_level_gen(rt, ctx, buf, average: bool):
         cross = OpContext(comm, rt.MPI, ctx.tag, ctx.stats, None, ctx.yield_cpu)
         cross.where = ctx.where
     seg = max(1, _cfg.segment_bytes // buf.dtype.itemsize)
-    yield from two_level_allreduce(ctx, rt.node_data(), cross, slices, buf, average, rt.size,
+    yield from two_level_allreduce(ctx, window, cross, slices, buf, average, rt.size,
                                    rt.tmp(buf, _cfg.window * seg), _cfg)
 
 

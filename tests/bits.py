@@ -1,9 +1,19 @@
-"""Assertions on what the ranks of a multi-rank test hold."""
+"""Inputs of the multi-rank tests, and assertions on what their ranks hold."""
 import numpy as np
 
 
-def assert_identical_everywhere(world, arr):
+def rank_inputs(rank: int, n: int, dtype, seed: int):
+    """Rank ``rank``'s ``n`` inputs of ``dtype``: integers in [-1000, 1000) or normal values
+    times 4, reproducible on any rank from ``(seed, rank, n)``."""
+    rng = np.random.default_rng(seed + 100 * rank + n)
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(-1000, 1000, n).astype(dtype)
+    return (rng.standard_normal(n) * 4).astype(dtype)
+
+
+def assert_identical_everywhere(world, arr, what: str = ""):
     """Every rank of ``world`` holds the same bits in ``arr`` (asserted on every rank)."""
     everyone = world.allgather(np.ascontiguousarray(arr).view(np.uint8).tobytes())
     bad = [r for r, b in enumerate(everyone) if b != everyone[0]]
-    assert not bad, f"rank {world.Get_rank()}: ranks {bad} hold different bits than rank 0"
+    assert not bad, f"rank {world.Get_rank()}: {what + ': ' if what else ''}ranks {bad} hold " \
+                    "different bits than rank 0"

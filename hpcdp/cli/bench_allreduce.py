@@ -153,10 +153,12 @@ def _algos(args) -> list:
 
 
 def _default_algo(rt, nbytes: int, device: str) -> str:
-    from hpcdp.collectives import ALGOS
-    if device != "cpu" or rt.algo not in ("auto",) + ALGOS:
+    """What a default call of this size runs (device buffers keep the ring)."""
+    from hpcdp.collectives import _pick_algo
+    from hpcdp.comm.buffers import as_buffer
+    if device != "cpu":
         return "ring"
-    return rt.auto_algo(nbytes) if rt.algo == "auto" else rt.algo
+    return _pick_algo(rt, None, as_buffer(np.empty(nbytes // 4, np.float32)), None)
 
 
 def _record(rt, args, nbytes: int, med: dict, iters: dict, check: bool) -> dict:

@@ -114,9 +114,12 @@ class NodeWindow:
             return None
         return Round(self, where)
 
-    def arrived(self) -> None:
-        """After a round: make the peers' writes before the round visible here."""
+    def arrived(self, sig=None) -> None:
+        """After a round: make the peers' writes before the round visible here; with
+        ``sig = (signature, on_mismatch)`` also the check (see :func:`node_round`)."""
         self.ctl.Sync()
+        if sig is not None and (everyone := self.mismatch(sig[0])) is not None:
+            sig[1](everyone)
 
     def mismatch(self, sig) -> list | None:
         """After a round with signatures: ``None`` when every rank posted ``sig``, else every
@@ -169,8 +172,4 @@ def node_round(ctx, window, sig=None):
     pending = window.post(None if sig is None else sig[0], ctx.where)
     if pending is not None:
         yield pending
-    window.arrived()
-    if sig is not None:
-        everyone = window.mismatch(sig[0])
-        if everyone is not None:
-            sig[1](everyone)
+    window.arrived(sig)

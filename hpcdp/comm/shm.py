@@ -38,15 +38,16 @@ from .nodewin import node_round
 from .schedule import chunk_bounds
 from .waiting import complete, drive
 
-__all__ = ["shm_allreduce", "shm_allreduce_blocking", "reduce_in_ring_order", "SHM_CAPACITY",
-           "SHM_SMALL"]
+__all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "reduce_in_ring_order",
+           "SHM_CAPACITY", "SHM_SMALL", "HALF_DTYPES"]
 
 #: bytes of a segment (each rank's window part holds two)
 SHM_CAPACITY = 4 << 20
 #: buffers up to this many bytes take the one-round path
 SHM_SMALL = 64 << 10
 
-_HALF = ("float16", "bfloat16")
+#: dtypes whose averages are divided before the sum (a sum of N halves can overflow)
+HALF_DTYPES = ("float16", "bfloat16")
 
 
 def shm_allreduce(ctx, window, buf, average: bool, sig=None, small: int = SHM_SMALL):
@@ -71,52 +72,50 @@ def shm_allreduce_blocking(ctx, window, buf, average: bool, sig=None, small: int
     if buf.n * buf.data.dtype.itemsize > min(small, window.capacity):
         drive(ctx.MPI, shm_allreduce(ctx, window, buf, average, sig, small), ctx.yield_cpu)
         return
-    parts = _copy_in(window, buf, 0, buf.n, average, window.size)
+    parts = copy_in(window, buf, 0, buf.n, average, window.size)
     pending = window.post(None if sig is None else sig[0], ctx.where)
     if pending is not None:
         ctx.at("shared-memory allreduce: flag round")
         complete(ctx.MPI, pending, ctx.yield_cpu)
-    window.arrived()
-    if sig is not None and (everyone := window.mismatch(sig[0])) is not None:
-        sig[1](everyone)
-    _sum_in_rank_order(buf.ops, buf.data, parts, buf.n, average, window.size,
-                       buf.dtype.name in _HALF)
-    window.half ^= 1
+    window.arrived(sig)
+    _sum_in_rank_order(window, buf, parts, average)
 
 
-def _copy_in(window, buf, lo: int, hi: int, average: bool, divisor: int):
-    """Copy ``buf[lo:hi]`` into this rank's current half; return every rank's half."""
+def copy_in(window, buf, lo: int, hi: int, average: bool, divisor: int):
+    """Copy ``buf[lo:hi]`` into this rank's current half (fp16/bf16 averages: / ``divisor``);
+    return every rank's half."""
     parts = window.views(buf.data.dtype, hi - lo)
     mine = parts[window.rank]
     mine[:] = buf.data[lo:hi]
-    if average and buf.dtype.name in _HALF:
+    if average and buf.dtype.name in HALF_DTYPES:
         buf.ops.scale(mine, divisor)
     return parts
 
 
-def _sum_in_rank_order(ops, out, parts, n: int, average: bool, divisor: int, half: bool):
-    """``out = parts[0] + parts[1] + ...`` in rank order (then / divisor)."""
-    out[:] = parts[0][:n]
+def _sum_in_rank_order(window, buf, parts, average: bool):
+    """The one-round path's end: ``buf = parts[0] + parts[1] + ...`` in rank order (then / N
+    for a float32/64 average), and the next call takes the other half."""
+    ops, out = buf.ops, buf.data
+    out[:] = parts[0][:buf.n]
     for part in parts[1:]:
-        ops.add(out, part[:n])
-    if average and not half:
-        ops.scale(out, divisor)
+        ops.add(out, part[:buf.n])
+    if average and buf.dtype.name not in HALF_DTYPES:
+        ops.scale(out, window.size)
+    window.half ^= 1
 
 
 def _one_round(ctx, window, buf, average: bool, sig):
     ctx.at("shared-memory allreduce: copy in")
-    parts = _copy_in(window, buf, 0, buf.n, average, window.size)
+    parts = copy_in(window, buf, 0, buf.n, average, window.size)
     yield from node_round(ctx, window, sig)
     ctx.at("shared-memory allreduce: sum")
-    _sum_in_rank_order(buf.ops, buf.data, parts, buf.n, average, window.size,
-                       buf.dtype.name in _HALF)
-    window.half ^= 1
+    _sum_in_rank_order(window, buf, parts, average)
 
 
 def _segment(ctx, window, buf, lo: int, hi: int, average: bool, sig):
-    size, half = window.size, buf.dtype.name in _HALF
+    size, half = window.size, buf.dtype.name in HALF_DTYPES
     ctx.at("shared-memory allreduce: copy in")
-    parts = _copy_in(window, buf, lo, hi, average, size)
+    parts = copy_in(window, buf, lo, hi, average, size)
     yield from node_round(ctx, window, sig)
     ctx.at("shared-memory allreduce: reduce own slice")
     bounds = chunk_bounds(hi - lo, size)  # slice j: the ring's chunk j

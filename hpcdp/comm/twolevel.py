@@ -30,11 +30,9 @@ from .buffers import Buffer
 from .nodewin import node_round
 from .ring import PlainFrames, ring_allreduce
 from .schedule import chunk_bounds
-from .shm import reduce_in_ring_order
+from .shm import HALF_DTYPES, copy_in, reduce_in_ring_order
 
 __all__ = ["two_level_allreduce"]
-
-_HALF = ("float16", "bfloat16")
 
 
 def two_level_allreduce(ctx, window, cross, slices: int, buf, average: bool, total: int,
@@ -51,12 +49,9 @@ def two_level_allreduce(ctx, window, cross, slices: int, buf, average: bool, tot
 
 
 def _segment(ctx, window, cross, slices, buf, lo, hi, average, total, tmp, cfg):
-    data, half = buf.data, buf.dtype.name in _HALF
+    data, half = buf.data, buf.dtype.name in HALF_DTYPES
     ctx.at("two-level allreduce: copy in")
-    parts = window.views(data.dtype, hi - lo)
-    parts[window.rank][:] = data[lo:hi]
-    if average and half:
-        buf.ops.scale(parts[window.rank], total)
+    parts = copy_in(window, buf, lo, hi, average, total)
     yield from node_round(ctx, window)
     bounds = chunk_bounds(hi - lo, slices)
     if cross is not None:

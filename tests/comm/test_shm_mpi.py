@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import hpcdp
-from bits import assert_identical_everywhere
+from bits import assert_identical_everywhere, rank_inputs
 from hpcdp.comm.schedule import simulate
 from hpcdp.comm.shm import SHM_CAPACITY, SHM_SMALL
 
@@ -15,10 +15,7 @@ DTYPES = [np.float16, np.float32, np.float64, np.int64]
 
 
 def _inputs(rank, n, dtype):
-    rng = np.random.default_rng(7000 + 100 * rank + n)
-    if np.issubdtype(dtype, np.integer):
-        return rng.integers(-1000, 1000, n).astype(dtype)
-    return (rng.standard_normal(n) * 4).astype(dtype)
+    return rank_inputs(rank, n, dtype, seed=7000)
 
 
 def _rank_order_sum(size, n, dtype):

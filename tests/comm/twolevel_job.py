@@ -2,27 +2,22 @@
 ``HPCDP_FAKE_NODES`` splitting the ranks into pretend nodes. Asserts on every rank and exits
 non-zero on the first failure (the launcher then fails the test)."""
 import sys
+from pathlib import Path
 
 import numpy as np
 
 import hpcdp
 from hpcdp._runtime import runtime
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+from bits import assert_identical_everywhere, rank_inputs  # noqa: E402
+
 LENGTHS = [0, 1, 3, 17, 1001, 65537, 300_001]
 DTYPES = [np.float16, np.float32, np.float64, np.int64]
 
 
 def inputs(rank, n, dtype):
-    rng = np.random.default_rng(500 + 31 * rank + n)
-    if np.issubdtype(dtype, np.integer):
-        return rng.integers(-1000, 1000, n).astype(dtype)
-    return (rng.standard_normal(n) * 4).astype(dtype)
-
-
-def check_identical(comm, x, what):
-    everyone = comm.allgather(x.view(np.uint8).tobytes())
-    bad = [r for r, b in enumerate(everyone) if b != everyone[0]]
-    assert not bad, f"rank {comm.rank}: {what}: ranks {bad} hold other bits than rank 0"
+    return rank_inputs(rank, n, dtype, seed=500)
 
 
 def check_sums(rt, algo):
@@ -46,7 +41,7 @@ def check_sums(rt, algo):
                     tol = {np.float16: 2e-2, np.float32: 1e-5, np.float64: 1e-12}[dtype]
                     assert np.allclose(x.astype(np.float64), ref, rtol=tol, atol=tol * size * 4), \
                         f"rank {rank}: {what}: max error {np.abs(x - ref).max()}"
-                check_identical(rt.comm, x, what)
+                assert_identical_everywhere(rt.comm, x, what)
 
 
 def check_link_bytes(rt):
