@@ -184,8 +184,13 @@ fi
 # 67,043,328). MPICH names its shared-memory segments after the job and step id, and a
 # segment left in /dev/shm by a killed job must never be picked up by a later job that got
 # the same id ("MPIDI_POSIX_comm_bootstrap: Out of memory" in MPI_Init). A range only
-# reaches the next bring-up's if it used more than 10 ids per second of its lifetime.
-new_first_job_id() { echo $(( ($(date +%s) % 6000000) * 10 + 1 )); }
+# reaches the next bring-up's if it used more than 10 ids per second of its lifetime. Two
+# bring-ups within one second: the later starts 10 ids past the earlier (NEW_FIRST_JOB_ID OLD).
+new_first_job_id() {
+    local id=$(( ($(date +%s) % 6000000) * 10 + 1 )) old=${1:-0}
+    if ((id <= old && old < 59999990)); then id=$((old + 10)); fi
+    echo "$id"
+}
 first_job_id=$(sed -n 's/^FirstJobId=//p' "$C_CONF" 2>/dev/null || true)
 [[ $first_job_id =~ ^[0-9]+$ ]] || first_job_id=$(new_first_job_id)
 
@@ -277,7 +282,7 @@ if ! pid_alive "$C_RUN/slurmctld.pid" slurmctld; then
     # Fresh controller: wipe its state (no stale jobs or node states survive) and give it a
     # new job-id range; the slurmds restart below with the same slurm.conf.
     rm -rf "${C_STATE:?}"/*
-    first_job_id=$(new_first_job_id)
+    first_job_id=$(new_first_job_id "$first_job_id")
     write_conf >"$C_CONF"
     stop_slurmds 1 "$N"
     log "starting slurmctld ($CTL_HOST, $CTL_IP:$HPCDP_CLUSTER_CTLD_PORT), job ids from $first_job_id"
