@@ -315,7 +315,8 @@ def _prepare_allreduce(rt, x, op, name, check, blocking, stats, compression, sta
     comp = None if compression is None else resolve(compression, buf.name, buf.dtype.name,
                                                     _device_of(buf))
     algo = _pick_algo(rt, algo, buf, comp)
-    ctx = OpContext(rt.comm, rt.MPI, rt.engine.next_tag(), stats, on_step, rt.engine.yield_cpu)
+    ctx = OpContext(rt.comm, rt.MPI, rt.engine.next_tag(), stats, on_step, rt.engine.yield_cpu,
+                    rt.rank, rt.size)
     if algo == "shm" and blocking:  # run right here when the engine is idle, as the small ring
         run = functools.partial(_shm_call, rt, ctx, buf, opcode, check)
     elif algo == "ring" and blocking and comp is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
@@ -369,7 +370,8 @@ def _prepare_broadcast(rt, x, root, name):
     if not 0 <= root < rt.size:
         raise ValueError(f"broadcast root {root} is not a rank of this job (size {rt.size})")
     buf = as_buffer(x, name or "tensor")
-    ctx = OpContext(rt.comm, rt.MPI, rt.engine.next_tag(), yield_cpu=rt.engine.yield_cpu)
+    ctx = OpContext(rt.comm, rt.MPI, rt.engine.next_tag(), yield_cpu=rt.engine.yield_cpu,
+                    rank=rt.rank, size=rt.size)
     return _broadcast_gen(rt, ctx, buf, root), f"broadcast({buf.name})", x, ctx.where
 
 

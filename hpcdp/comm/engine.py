@@ -192,12 +192,15 @@ class Engine:
         self.last_progress = monotonic()
 
     def _release(self, h: Handle):
-        """``h`` is done: the engine is free, its waiters and the progress thread are told."""
+        """``h`` is done: the engine is free, its waiters are told, and the progress thread
+        too where operations are queued (the thread waits only for queued work: waking it
+        after every inline blocking call cost a blocking 4 KiB allreduce 3x its time)."""
         self._running = None
         h._done = True
         if h._event is not None:
             h._event.set()
-        self._cv.notify_all()
+        if self._queue:
+            self._cv.notify_all()
 
     def _advance(self, block: bool) -> bool:
         """Start the next queued operation if none runs and advance the running one;

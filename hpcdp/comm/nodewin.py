@@ -99,6 +99,7 @@ class NodeWindow:
         self.spin_mask = 0x3FF if self.size <= (os.cpu_count() or 1) else 0
         self.win, self.parts, self.capacity, self.half = None, None, 0, 0
         self._views = {}
+        self._packed = {}  # signature -> (this rank's bytes, every rank's bytes when all agree)
 
     # -- flag rounds ---------------------------------------------------------------
     def post(self, sig=None, where: dict | None = None) -> Round | None:
@@ -106,7 +107,7 @@ class NodeWindow:
         rank has arrived already, else the :class:`Round` to wait on."""
         self.ctl.Sync()
         if sig is not None:
-            self._slots[(self.seq + 1) & 1][self._mine] = _SIG.pack(*sig)
+            self._slots[(self.seq + 1) & 1][self._mine] = self._pack(sig)[0]
         self.seq += 1
         self.seqs[self.rank] = self.seq
         self.ctl.Sync()
@@ -125,9 +126,18 @@ class NodeWindow:
         """After a round with signatures: ``None`` when every rank posted ``sig``, else every
         rank's signature (the same list on every rank)."""
         slot = self._slots[self.seq & 1]
-        if slot == _SIG.pack(*sig) * self.size:
+        if slot == self._pack(sig)[1]:
             return None
         return [_SIG.unpack_from(slot, 8 * SIG_FIELDS * r) for r in range(self.size)]
+
+    def _pack(self, sig) -> tuple:
+        packed = self._packed.get(sig)
+        if packed is None:
+            if len(self._packed) >= 256:
+                self._packed.clear()
+            mine = _SIG.pack(*sig)
+            packed = self._packed[sig] = (mine, mine * self.size)
+        return packed
 
     def late(self) -> list[int]:
         """Ranks (of the job, where known) that have not reached this rank's round."""
@@ -150,7 +160,7 @@ class NodeWindow:
     def views(self, dtype, n: int) -> list:
         """Every rank's current half as ``n`` elements of ``dtype`` (cached: a training job
         reduces the same few bucket sizes again and again)."""
-        key = (dtype, n, self.half)
+        key = (dtype.char, n, self.half)
         parts = self._views.get(key)
         if parts is None:
             if len(self._views) >= 256:

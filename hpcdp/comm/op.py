@@ -24,11 +24,14 @@ class OpContext:
     __slots__ = ("comm", "MPI", "tag", "stats", "where", "on_step", "yield_cpu", "rank", "size",
                  "_t_mark")
 
-    def __init__(self, comm, MPI, tag: int, stats=None, on_step=None, yield_cpu: bool = False):
+    def __init__(self, comm, MPI, tag: int, stats=None, on_step=None, yield_cpu: bool = False,
+                 rank: int | None = None, size: int | None = None):
         self.comm, self.MPI, self.tag = comm, MPI, tag
         self.stats, self.on_step, self.yield_cpu = stats, on_step, yield_cpu
         self.where = {}
-        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        # (``rank``/``size`` of ``comm`` where the caller knows them: saves two MPI calls a call)
+        self.rank = comm.Get_rank() if rank is None else rank
+        self.size = comm.Get_size() if size is None else size
         self._t_mark = 0
 
     # -- messages ------------------------------------------------------------------
