@@ -45,8 +45,14 @@ class Round:
     """What an operation yields while a flag round is incomplete: the engine tests or waits
     on it like an MPI request (with ``yield_cpu``, :func:`~hpcdp.comm.waiting.complete` calls
     ``Test`` and yields the core between tests; else ``Wait`` spins, as MPI does, yielding
-    the core every 1024 tests, or every test where the node has more ranks than cores). A long wait names the ranks that have not arrived, for the stall
-    watchdog."""
+    the core every 1024 tests, or every test where the node has more ranks than cores).
+    A long wait names the ranks that have not arrived, for the stall watchdog.
+
+    Waiting calls into MPI now and then (:meth:`NodeWindow.poke`): a rank whose last
+    messages are complete on its side may still owe a peer the protocol's answer (MPICH's
+    acknowledgement of a large message), which only MPI's progress engine sends; a rank
+    spinning on flags alone hung its peer in ``MPI_Waitall`` (np = 2, 256 MiB ring then a
+    flag round)."""
 
     __slots__ = ("win", "where")
 
@@ -54,7 +60,10 @@ class Round:
         self.win, self.where = win, where
 
     def Test(self) -> bool:
-        return min(self.win._seq_view) >= self.win.seq
+        if min(self.win._seq_view) >= self.win.seq:
+            return True
+        self.win.poke()
+        return False
 
     def Wait(self) -> None:
         polls, seqs, seq, mask = 0, self.win._seq_view, self.win.seq, self.win.spin_mask
@@ -62,6 +71,7 @@ class Round:
             polls += 1
             if polls & mask:
                 continue
+            self.win.poke()
             sched_yield()
             if polls & 0xFFFF == 0 and self.where is not None:
                 self.where["late"] = self.win.late()
@@ -138,6 +148,11 @@ class NodeWindow:
             mine = _SIG.pack(*sig)
             packed = self._packed[sig] = (mine, mine * self.size)
         return packed
+
+    def poke(self) -> None:
+        """Let MPI make progress (an ``MPI_Iprobe``, which runs the progress engine in MPICH
+        and Open MPI): what a flag wait does between polls, see :class:`Round`."""
+        self.node.Iprobe(self.MPI.ANY_SOURCE, self.MPI.ANY_TAG)
 
     def late(self) -> list[int]:
         """Ranks (of the job, where known) that have not reached this rank's round."""

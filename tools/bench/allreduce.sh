@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Reproduce the allreduce figures of docs/performance.md: hpcdp's ring against the
-# MPI library's own MPI_Allreduce, same run, np = 2 and 4, for every MPI venv given.
+# Reproduce the allreduce figures of docs/performance.md: hpcdp's default algorithm
+# against the MPI library's own MPI_Allreduce, same run, np = 2 and 4, for every MPI venv
+# given, ROUNDS rounds (each round runs every MPI and np once, so drift hits all alike).
 #
 #   tools/bench/allreduce.sh [VENV ...]     (default: .venv, plus .venv-ompi if present)
-#   OUT=dir TRIALS=5 SIZES=4k,...,256m EXTRA="--gloo"
+#   OUT=dir ROUNDS=5 TRIALS=5 SIZES=4k,...,256m EXTRA="--algos ring"
 #
-# Writes one JSON line per size to $OUT/allreduce-<mpi>-np<N>.jsonl and prints a table.
+# Writes one JSON line per size and round to $OUT/allreduce-<mpi>-np<N>.jsonl (field
+# "round"), then the summary of every point over the rounds (tools/bench/rounds.py) to
+# $OUT/allreduce-rounds.jsonl, and prints it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-out/bench}
+ROUNDS=${ROUNDS:-5}
 TRIALS=${TRIALS:-5}
-SIZES=${SIZES:-4k,16k,64k,256k,1m,4m,16m,64m,256m}
+SIZES=${SIZES:-4k,64k,256k,1m,4m,16m,64m,256m}
 mkdir -p "$OUT"
 venvs=("$@")
 if [ ${#venvs[@]} -eq 0 ]; then
@@ -18,21 +22,28 @@ if [ ${#venvs[@]} -eq 0 ]; then
   [ -x .venv-ompi/bin/python ] && venvs+=(.venv-ompi)
 fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=^ofi
+# (Open MPI 5 from PyPI: the UCX one-sided component fails its query on every window and
+# says so; the shared-memory one is what a one-node window uses anyway)
+export OMPI_MCA_osc=sm
+mpi_of() { if "$1/bin/mpirun" --version 2>/dev/null | grep -q "Open MPI"; then echo ompi; else echo mpich; fi; }
 for v in "${venvs[@]}"; do
-  if "$v/bin/mpirun" --version 2>/dev/null | grep -q "Open MPI"; then mpi=ompi; else mpi=mpich; fi
-  for np in 2 4; do
-    flags=()
-    [ "$mpi" = ompi ] && [ "$np" -gt 2 ] && flags=(--oversubscribe)
-    f="$OUT/allreduce-$mpi-np$np.jsonl"
-    "$v/bin/mpirun" "${flags[@]}" -np "$np" "$v/bin/python" -m hpcdp.cli.bench allreduce \
-      --trials "$TRIALS" --sizes "$SIZES" ${EXTRA:-} > "$f"
-    "$v/bin/python" - "$f" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    d = json.loads(line)
-    print(f"{d['mpi']:>16} np={d['np']} {d['bytes']:>10} B  hpcdp {d['hpcdp_busbw']:6.3f} GB/s  "
-          f"native {d['native_busbw']:6.3f} GB/s  ratio {d['ratio']:5.2f}"
-          + (f"  gloo {d['gloo_busbw']:6.3f} GB/s" if 'gloo_busbw' in d else ""))
-PY
+  for np in 2 4; do : >"$OUT/allreduce-$(mpi_of "$v")-np$np.jsonl"; done
+done
+for ((round = 1; round <= ROUNDS; round++)); do
+  for v in "${venvs[@]}"; do
+    mpi=$(mpi_of "$v")
+    for np in 2 4; do
+      flags=()
+      [ "$mpi" = ompi ] && flags=(--oversubscribe)
+      echo "round $round/$ROUNDS: $mpi np=$np" >&2
+      "$v/bin/mpirun" "${flags[@]}" -np "$np" "$v/bin/python" -m hpcdp.cli.bench allreduce \
+        --trials "$TRIALS" --sizes "$SIZES" ${EXTRA:-} |
+        ROUND=$round python3 -c 'import json, os, sys
+for line in sys.stdin:
+    print(json.dumps(dict(json.loads(line), round=int(os.environ["ROUND"]))))' \
+        >>"$OUT/allreduce-$mpi-np$np.jsonl"
+    done
   done
 done
+python3 tools/bench/rounds.py "$OUT"/allreduce-*-np*.jsonl >"$OUT/allreduce-rounds.jsonl"
+cat "$OUT/allreduce-rounds.jsonl"
