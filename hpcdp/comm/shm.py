@@ -54,7 +54,10 @@ def shm_allreduce(ctx, window, buf, average: bool, sig=None, small: int = SHM_SM
     """Generator: in-place allreduce of host ``buf`` over the node (see the module
     docstring). ``sig``: ``None``, or ``(signature, on_mismatch)``: the first round then
     checks that every rank posted the same signature and otherwise calls
-    ``on_mismatch(everyone)`` (which raises) on every rank."""
+    ``on_mismatch(everyone)`` (which raises) on every rank. One rank, or no element: nothing
+    to do (as on the ring)."""
+    if window.size == 1 or buf.n == 0:
+        return
     data = buf.data
     if buf.n * data.dtype.itemsize <= min(small, window.capacity):
         yield from _one_round(ctx, window, buf, average, sig)
@@ -69,6 +72,8 @@ def shm_allreduce_blocking(ctx, window, buf, average: bool, sig=None, small: int
     """:func:`shm_allreduce` as a plain blocking call: a small buffer's one round runs
     right here (none of the generators' round trips: this is the case bounded by per-call
     cost), larger ones drive the generator."""
+    if window.size == 1 or buf.n == 0:
+        return
     if buf.n * buf.data.dtype.itemsize > min(small, window.capacity):
         drive(ctx.MPI, shm_allreduce(ctx, window, buf, average, sig, small), ctx.yield_cpu)
         return
