@@ -19,7 +19,9 @@ Modes:
 ``ddp``         ``torch.nn.parallel.DistributedDataParallel`` on gloo (defaults)
 
 ``--compression none,fp16,onebit,powersgd:4`` runs every hpcdp mode once per
-listed compressor, in the same rounds as the other modes. ``onebit`` uses the
+listed compressor, in the same rounds as the other modes; ``--algos ring,auto``
+likewise once per allreduce algorithm of the uncompressed buckets (default: the
+runtime's, ``$HPCDP_ALGO`` or auto; the record's ``algo`` says which was asked for). ``onebit`` uses the
 compressed-momentum optimizer (``hpcdp.optim.OneBitSGD`` / ``OneBitAdam``,
 what trains) with one exact warm-up step, and ``powersgd`` (``powersgd:R``)
 compresses from its second step: the untimed warm-up steps cover both. Naive
@@ -64,7 +66,8 @@ After each model a ``{"bench": "train-summary", ...}`` line gives hpcdp's
 median step time over each peer's (``hpcdp_over_PEER``; hpcdp with the first
 listed compressor), the same for the exposed communication
 (``exposed_hpcdp_over_PEER``), each further compressor's step time over the
-first's (``hpcdp_C_over_hpcdp_C0``), the traced step over the untraced one
+first's (``hpcdp_C_over_hpcdp_C0``), each further algorithm's over the first's
+(``hpcdp_algo_A_over_hpcdp_algo_A0``), the traced step over the untraced one
 (``hpcdp-trace_over_hpcdp``) and, with one step per mode per round,
 the median over rounds of the ratio of the two steps of the same round
 (``paired_...``: drift that lasts longer than a round cancels).
@@ -114,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every mode's optimizer (onebit: its compressed-momentum twin)")
     ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--algos", default="",
+                    help="allreduce algorithms of hpcdp's uncompressed buckets, comma-separated "
+                         "(auto, ring, shm, two_level): every hpcdp mode runs once per algorithm "
+                         "(default: the runtime's, $HPCDP_ALGO or auto)")
     ap.add_argument("--compression", default="none",
                     help="hpcdp compression, comma-separated from: " + ", ".join(COMPRESSOR_NAMES)
                     + ", powersgd:R; every hpcdp mode runs once per entry, in the same run "
@@ -126,13 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _variants(modes, compressions, bucket_mb, sweep):
-    """``(mode, bucket MiB or None, compression or None)`` of every runner, in run order."""
+def _variants(modes, compressions, algos, bucket_mb, sweep):
+    """``(mode, bucket MiB or None, compression or None, algo or None)`` of every runner, in
+    run order (the bucket sweep with the first algorithm)."""
     out = []
     for m in modes:
-        out += [(m, bucket_mb, c) for c in compressions] if m in _HPCDP_MODES else [(m, None, None)]
+        out += ([(m, bucket_mb, c, a) for c in compressions for a in algos] if m in _HPCDP_MODES
+                else [(m, None, None, None)])
     if "hpcdp" in modes:
-        out += [("hpcdp", v, c) for v in sweep if v != bucket_mb for c in compressions]
+        out += [("hpcdp", v, c, algos[0]) for v in sweep if v != bucket_mb for c in compressions]
     return out
 
 
@@ -144,7 +153,7 @@ class _Runner:
 
         import hpcdp
         from ..torch.zoo import build_model
-        self.mode, self.bucket_mb, self.compression = variant
+        self.mode, self.bucket_mb, self.compression, self.algo = variant
         self.overlap = self.as_view = None
         self.rt = rt
         self.ddp = None
@@ -164,7 +173,7 @@ class _Runner:
                                                            overlap=self.overlap,
                                                            compression=_compressor(self.compression),
                                                            gradient_as_bucket_view=self.as_view,
-                                                           trace=trace)
+                                                           trace=trace, algo=self.algo)
         elif self.mode == "ddp":
             comms["gloo"]()
             ids = None if self.device.type == "cpu" else [self.device]
@@ -344,13 +353,16 @@ class _Bench:
             rec["bucket_cap_mb"] = r.bucket_mb
             rec["overlap"] = r.overlap
             rec["gradient_as_bucket_view"] = r.as_view
+            rec["algo"] = r.algo or self.rt.algo
         return rec
 
-    def summary(self, runners, compressions) -> dict:
-        """hpcdp (first compressor) over each peer, each further compressor over the first,
-        traced over untraced; ``paired_`` ratios where step i of every mode ran in round i."""
-        c0, args = compressions[0], self.args
-        ref = {(r.mode, r.compression): r for r in runners if r.bucket_mb in (None, args.bucket_mb)}
+    def summary(self, runners, compressions, algos) -> dict:
+        """hpcdp (first compressor, first algorithm) over each peer, each further compressor
+        and algorithm over the first, traced over untraced; ``paired_`` ratios where step i of
+        every mode ran in round i."""
+        c0, a0, args = compressions[0], algos[0], self.args
+        ref = {(r.mode, r.compression): r for r in runners
+               if r.bucket_mb in (None, args.bucket_mb) and r.algo in (None, a0)}
         out = {"bench": "train-summary", "model": self.model_name, "np": self.size,
                "global_batch": self.B}
         paired = self.rounds == self.steps
@@ -371,10 +383,14 @@ class _Bench:
             if ("hpcdp", c) in ref:
                 _ratios(ref[("hpcdp", c)], hp, paired, f"hpcdp_{c or 'none'}_over_hpcdp_{c0 or 'none'}",
                         out)
+        for a in algos[1:]:
+            other = next(r for r in runners if (r.mode, r.compression, r.algo, r.bucket_mb)
+                         == ("hpcdp", c0, a, args.bucket_mb))
+            _ratios(other, hp, paired, f"hpcdp_algo_{a}_over_hpcdp_algo_{a0}", out)
         return out
 
 
-def _bench_model(model_name, variants, compressions, args, rt, comms) -> bool:
+def _bench_model(model_name, variants, compressions, algos, args, rt, comms) -> bool:
     """Time every variant on ``model_name``; rank 0 prints a record per variant and a summary."""
     import hpcdp
     bench = _Bench(model_name, args, rt, comms)
@@ -396,13 +412,14 @@ def _bench_model(model_name, variants, compressions, args, rt, comms) -> bool:
         if rt.rank == 0:
             print(json.dumps(bench.record(r, after)), flush=True)
     if rt.rank == 0:
-        print(json.dumps(bench.summary(runners, compressions)), flush=True)
+        print(json.dumps(bench.summary(runners, compressions, algos)), flush=True)
     return True
 
 
 def _lists(args):
-    """``(models, modes, compressions, bucket sweep)`` from the comma-separated options, or
-    an error message."""
+    """``(models, modes, compressions, algorithms, bucket sweep)`` from the comma-separated
+    options, or an error message."""
+    from ..collectives import ALGOS
     from ..compress.registry import get_compressor
     from ..torch.zoo import MODELS
     models, modes = _csv(args.model), _csv(args.modes)
@@ -416,11 +433,15 @@ def _lists(args):
         return f"--compression: {exc}"
     if len(set(comp_names)) != len(comp_names):
         return f"--compression takes distinct names, got {args.compression!r}"
+    algos = _csv(args.algos)
+    bad = [a for a in algos if a != "auto" and a not in ALGOS]
+    if bad or len(set(algos)) != len(algos):
+        return (f"--algos takes distinct names of auto, {', '.join(ALGOS)}, got {args.algos!r}")
     try:
         sweep = [float(v) for v in _csv(args.bucket_sweep)]
     except ValueError:
         return f"--bucket-sweep must be numbers, got {args.bucket_sweep!r}"
-    return models, modes, [None if c == "none" else c for c in comp_names], sweep
+    return models, modes, [None if c == "none" else c for c in comp_names], algos or [None], sweep
 
 
 def _runtime_for(args):
@@ -446,7 +467,7 @@ def main(argv=None) -> int:
     if isinstance(lists, str):
         print(f"hpcdp-bench train: {lists}", file=sys.stderr)
         return 2
-    models, modes, compressions, sweep = lists
+    models, modes, compressions, algos, sweep = lists
     rt, error = _runtime_for(args)
     if error is not None:
         if rt.rank == 0:
@@ -461,9 +482,9 @@ def main(argv=None) -> int:
         trace_dir = native.bcast(tempfile.mkdtemp(prefix="hpcdp-bench-trace-") if rt.rank == 0 else None)
     comms = {"native": native, "gloo": lambda: gloo_group(rt), "trace_dir": trace_dir,
              "device": torch.device(rt.device if args.device == "cuda" else "cpu")}
-    variants = _variants(modes, compressions, args.bucket_mb, sweep)
+    variants = _variants(modes, compressions, algos, args.bucket_mb, sweep)
     try:
-        ok = all(_bench_model(m, variants, compressions, args, rt, comms) for m in models)
+        ok = all(_bench_model(m, variants, compressions, algos, args, rt, comms) for m in models)
     finally:
         if trace_dir is not None and args.trace_dir is None:
             native.Barrier()

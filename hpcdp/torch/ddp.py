@@ -43,7 +43,9 @@ class DistributedDataParallel(torch.nn.Module):
     receives one HDF5 timing file per rank (``None``: ``$HPCDP_TRACE`` if set,
     else no tracing), or a recorder from :func:`hpcdp.trace.open_recorder`; see
     ``docs/tracing.md``. :meth:`close_trace` writes the rest and closes the files
-    (also done at interpreter exit).
+    (also done at interpreter exit). ``algo``: the uncompressed buckets' allreduce
+    algorithm (``"auto"``, ``"ring"``, ``"shm"``, ``"two_level"``; ``None``: ``$HPCDP_ALGO``,
+    default ``"auto"``), see :func:`hpcdp.allreduce_async`.
 
     The constructor checks that every rank built the same model (names,
     shapes, dtypes; the error names the first difference and the ranks) and
@@ -52,7 +54,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
                  overlap: bool = True, compression=None, find_unused_parameters: bool = False,
-                 broadcast_buffers: bool = True, trace=None, gradient_as_bucket_view: bool = True):
+                 broadcast_buffers: bool = True, trace=None, gradient_as_bucket_view: bool = True,
+                 algo: str | None = None):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"{_OWNER} wraps a torch.nn.Module, got {type(module).__name__}")
@@ -88,11 +91,11 @@ class DistributedDataParallel(torch.nn.Module):
                                first_bucket_mb=first_bucket_mb, overlap=overlap,
                                find_unused=find_unused_parameters, as_view=gradient_as_bucket_view,
                                should_sync=lambda: self._require_sync, wait_at_end=True,
-                               compression=compression)
+                               compression=compression, algo=algo)
         self.reducer.attach_tracer(open_step_tracer(rt, trace, _OWNER, named, compression, {
             "bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
             "find_unused_parameters": find_unused_parameters, "broadcast_buffers": broadcast_buffers,
-            "gradient_as_bucket_view": gradient_as_bucket_view}))
+            "gradient_as_bucket_view": gradient_as_bucket_view, "algo": algo or rt.algo}))
 
     def forward(self, *args, **kwargs):
         # a forward without autograd (evaluation under no_grad) is not part of a training step

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from .._runtime import runtime
-from ..collectives import allreduce_async, broadcast
+from ..collectives import ALGOS, allreduce_async, broadcast
 from ..compress import NoCompression, get_compressor, resolve
 from .buckets import plan_buckets
 from .guard import DivergenceGuard
@@ -148,7 +148,7 @@ class Reducer:
 
     def __init__(self, named_params, owner: str, *, bucket_cap_mb: float, first_bucket_mb: float,
                  overlap: bool, find_unused: bool, as_view: bool, should_sync, wait_at_end: bool,
-                 compression=None):
+                 compression=None, algo=None):
         self.rt = runtime(owner)
         self.owner = owner
         self.names = [n for n, _ in named_params]
@@ -170,6 +170,10 @@ class Reducer:
                 raise ValueError(f"{owner}: parameter {name!r} already has its gradients averaged by "
                                  f"{owner_of}; wrap the model or the optimizer, not both")
         self.compressor = _compressor(compression, named_params, owner)
+        if algo is not None and algo != "auto" and algo not in ALGOS:
+            raise ValueError(f"{owner}: algo must be one of auto, {', '.join(ALGOS)}, or None for "
+                             f"HPCDP_ALGO (default auto), got {algo!r}")
+        self.algo = algo  # uncompressed buckets' allreduce algorithm (None: the runtime's)
         # a compressed-momentum optimizer (hpcdp.optim) steering the buckets, see couple()
         self.momentum = None
         # compressor states (1-bit residuals) live in the runtime's store, under this prefix
@@ -411,7 +415,7 @@ class Reducer:
         if comp is None:
             b.payload = b.spec.numel * t.element_size()
             b.handle = allreduce_async(t, op="avg", name=name, check=False, stats=b.stats,
-                                       on_step=on_step)
+                                       on_step=on_step, algo=self.algo)
         else:
             # the control tail (counts, presence flags) must survive exactly: it travels
             # uncompressed, as its own tiny allreduce right after the bucket
@@ -425,7 +429,7 @@ class Reducer:
                                        compression=comp, state=state, on_step=on_step)
             if b.tail is not None:
                 b.tail_handle = allreduce_async(b.tail, op="avg", name=f"{name}.tail", check=False,
-                                                stats=b.stats)
+                                                stats=b.stats, algo=self.algo)
         self.stats["allreduces"] += 1
         self._launched.append(b)
 

@@ -83,6 +83,33 @@ def test_compressors_side_by_side_in_one_run():
 
 
 @pytest.mark.timeout(120)
+def test_algorithms_side_by_side_in_one_run():
+    """--algos ring,shm: every hpcdp mode once per algorithm, each record naming its own; the
+    ring's counters see its bytes, the shared-memory algorithm sends none; the summary has
+    the second algorithm's step over the first's."""
+    from hpcdp.torch.zoo import parameter_count
+    p = run_mpi(2, ["-m", "hpcdp.cli.bench", "train", "--model", "digits", "--global-batch", "32",
+                    "--steps", "2", "--warmup", "1", "--bucket-sweep", "", "--modes", "naive,hpcdp",
+                    "--algos", "ring,shm"], timeout=100)
+    train, summary = records(p)
+    assert [(r["mode"], r.get("algo")) for r in train] == [
+        ("naive", None), ("hpcdp", "ring"), ("hpcdp", "shm")]
+    sent = {r["algo"]: r["bytes_sent_per_step"] for r in train if r["mode"] == "hpcdp"}
+    assert sent == {"ring": pytest.approx((parameter_count("digits") + 1) * 4, rel=1e-5), "shm": 0}
+    assert {"hpcdp_over_naive", "hpcdp_algo_shm_over_hpcdp_algo_ring",
+            "paired_hpcdp_algo_shm_over_hpcdp_algo_ring"} <= set(summary[0]), summary
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("ring,fast", "--algos takes distinct names of auto, ring, shm, two_level, got 'ring,fast'"),
+    ("ring,ring", "--algos takes distinct names of auto, ring, shm, two_level, got 'ring,ring'")])
+def test_bad_algorithm_list_exits_2_before_mpi(spec, message, capsys):
+    from hpcdp.cli.bench_train import main
+    assert main(["--algos", spec]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
 def test_bad_arguments_exit_2():
     p = run_mpi(1, ["-m", "hpcdp.cli.bench", "train", "--modes", "hpcdp,fast"], timeout=50)
     assert p.returncode == 2 and "unknown model or mode: fast" in p.stderr

@@ -62,6 +62,28 @@ def _gather_equal(world, obj):
 
 # ---------------------------------------------------------------------------- DDP
 
+@pytest.mark.parametrize("algo", ["ring", "shm", "auto"])
+def test_algo_argument_reaches_every_bucket(world, algo):
+    """``algo=``: the buckets' allreduce runs it (the ring's counters count its bytes, the
+    shared-memory algorithm sends none), and the replicas stay identical."""
+    rank, size = world.Get_rank(), world.Get_size()
+    ddp = hpcdp.DistributedDataParallel(_mlp(), first_bucket_mb=0.0005, bucket_cap_mb=0.003, algo=algo)
+    lo, hi = _share(B, size, rank)
+    for x, y in _batches(2):
+        _local_loss(ddp(x[lo:hi]), y[lo:hi], size, B).backward()
+    _gather_equal(world, hpcdp.check_replicas(ddp.module))
+    sent = ddp.comm_stats["bytes_sent"]
+    if algo == "ring" and size > 1:
+        assert sent > 0, ddp.comm_stats
+    if algo == "shm" or size == 1:
+        assert sent == 0, ddp.comm_stats
+
+
+def test_unknown_algo_is_refused_on_every_rank(world):
+    with pytest.raises(ValueError, match=r"algo must be one of auto, ring, shm, two_level.*'fast'"):
+        hpcdp.DistributedDataParallel(_mlp(), algo="fast")
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "after-backward"])
 @pytest.mark.parametrize("as_view", [True, False], ids=["grad-view", "grad-copy"])
 @pytest.mark.parametrize("caps", [(0.0005, 0.003), (1, 25)], ids=["4-buckets", "1-bucket"])

@@ -1,13 +1,15 @@
-"""``hpcdp-bench train`` across the emulated nodes of tools/cluster, one rank per node.
+"""``hpcdp-bench train`` across the emulated nodes of tools/cluster (one rank per node, or
+``--ranks-per-node K`` placed ``--placement block|cyclic``).
 
 For each rate in ``--rates`` it shapes every node's link (``up.sh --rate``), runs one
-batch job ``srun --mpi=pmi2 -N N -n N python -m hpcdp.cli.bench train BENCH_ARGS``
-(the arguments after ``--``), reads the tc byte counters of every node before and
-after, and appends to ``--out`` (JSON lines) every record the benchmark printed,
-with ``rate`` and ``nodes`` added, then one check record::
+batch job ``srun --mpi=pmi2 -N N -n N*K --distribution=PLACEMENT python -m hpcdp.cli.bench
+train BENCH_ARGS`` (the arguments after ``--``), reads the tc byte counters of every node
+before and after, and appends to ``--out`` (JSON lines) every record the benchmark printed,
+with ``rate``, ``nodes``, ``ranks_per_node`` and ``placement`` added, then one check record::
 
-    {"bench": "train-cluster", "rate": "2gbit", "nodes": 2, "tc_bytes": {"node1": .., "node2": ..},
-     "min_link_bytes": .., "wall_s": .., "job_rc": 0}
+    {"bench": "train-cluster", "rate": "2gbit", "nodes": 2, "ranks_per_node": 1,
+     "placement": "block", "tc_bytes": {"node1": .., "node2": ..}, "min_link_bytes": ..,
+     "wall_s": .., "job_rc": 0}
 
 ``min_link_bytes`` is what each node must at least have sent through its shaped
 link if every mode's traffic crossed it: per mode, (warm-up + timed steps) times
@@ -50,7 +52,10 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(prog="tools/cluster/bench_train.py", description=__doc__.split("\n\n")[0],
                                  epilog="Arguments after -- go to hpcdp-bench train.")
     ap.add_argument("--rates", default="2gbit,1gbit", help="comma-separated tbf rates per node (or none)")
-    ap.add_argument("--nodes", type=int, default=2, help="nodes, one rank on each")
+    ap.add_argument("--nodes", type=int, default=2, help="nodes")
+    ap.add_argument("--ranks-per-node", type=int, default=1, help="ranks on each node")
+    ap.add_argument("--placement", default="block", choices=["block", "cyclic"],
+                    help="srun --distribution: block puts ranks 0..K-1 on node1, cyclic alternates")
     ap.add_argument("--out", required=True, help="JSON lines file to append the records to")
     ap.add_argument("--timeout", type=float, default=1200.0,
                     help="hard limit per job in seconds (the job is cancelled and the runner fails)")
@@ -70,15 +75,16 @@ def parse_args(argv):
 
 
 def job_script(args) -> str:
-    n = args.nodes
+    n, k = args.nodes, args.ranks_per_node
     cmd = [args.python, "-m", "hpcdp.cli.bench", "train", *args.bench]
     return "\n".join([
         "#!/bin/bash",
-        f"#SBATCH -N {n} -n {n} --time={math.ceil(args.timeout / 60) + 1}",
+        f"#SBATCH -N {n} -n {n * k} --ntasks-per-node={k} --time={math.ceil(args.timeout / 60) + 1}",
         "set -euo pipefail",
         f". {shlex.quote(str(HERE / 'env.sh'))}",
         f"cd {shlex.quote(str(REPO))}",
-        f"srun --mpi=pmi2 -N {n} -n {n} --ntasks-per-node=1 {shlex.join(cmd)}",
+        f"srun --mpi=pmi2 -N {n} -n {n * k} --ntasks-per-node={k} --distribution={args.placement} "
+        f"{shlex.join(cmd)}",
         "",
     ])
 
@@ -131,11 +137,13 @@ def main(argv=None) -> int:
             for line in text.splitlines():
                 if line.startswith('{"bench"'):
                     rec = json.loads(line)
-                    rec.update(rate=rate, nodes=args.nodes)
+                    rec.update(rate=rate, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
+                               placement=args.placement)
                     recs.append(rec)
             train = [r for r in recs if r["bench"] == "train"]
             need = min_link_bytes(train, args.nodes)
-            check = {"bench": "train-cluster", "rate": rate, "nodes": args.nodes, "tc_bytes": sent,
+            check = {"bench": "train-cluster", "rate": rate, "nodes": args.nodes,
+                     "ranks_per_node": args.ranks_per_node, "placement": args.placement, "tc_bytes": sent,
                      "min_link_bytes": need, "wall_s": round(wall, 1), "job_rc": rc,
                      "bench_args": args.bench}
             with out.open("a") as f:
