@@ -159,8 +159,10 @@ def check_ring_line(line: dict, nbytes: int, placement: str, trials: int, out: s
 
 @pytest.mark.timeout(180)
 def test_bench_allreduce_two_ranks_per_node(live):
-    """bench_allreduce.py in a 2 nodes x 2 ranks job (block placement): the JSON line of the
-    ring, with the ring's link bytes per node as derived from its schedule."""
+    """bench_allreduce.py in a 2 nodes x 2 ranks job (block placement): the JSON lines of the
+    ring, with the ring's link bytes per node as derived from its schedule, and of the
+    two-level algorithm (its results checked by the job), which sends 2(M-1)/M = 1x the
+    buffer out of each of the M = 2 nodes, two thirds of the ring's."""
     if (live.cpus or len(os.sched_getaffinity(0))) < 2:  # one core: advertise 2 CPUs per node
         live.cpus = 2
         live.up()
@@ -171,16 +173,19 @@ def test_bench_allreduce_two_ranks_per_node(live):
         "set -euo pipefail",
         f". {shlex.quote(str(ENV_SH))}",
         f"srun --mpi=pmi2 -N 2 -n 4 --ntasks-per-node=2 --distribution=block {shlex.quote(str(PYTHON))} "
-        f"{shlex.quote(str(BENCH))} --size-mib 4 --algos ring,no_such_algo --iters 2 --count-calls 2 "
+        f"{shlex.quote(str(BENCH))} --size-mib 4 --algos ring,two_level,no_such_algo --iters 2 --count-calls 2 "
         "--placement block",
         "",
     ])
     rc, out = live.sbatch_wait(script, timeout=120)  # rate: HPCDP_CLUSTER_RATE, from env.sh
     assert rc == 0, out
     lines = bench_lines(out)
-    assert [x["algo"] for x in lines] == ["ring", "no_such_algo"], out
+    assert [x["algo"] for x in lines] == ["ring", "two_level", "no_such_algo"], out
     check_ring_line(lines[0], nbytes, "block", 2, out)
-    assert lines[1]["error"].startswith("ValueError"), out  # reported, and the job went on
+    two = lines[1]
+    assert set(two) == BENCH_FIELDS and two["time_s"] > 0, out
+    assert nbytes <= two["internode_bytes_per_node"] <= 1.10 * nbytes, out  # (+ headers)
+    assert lines[2]["error"].startswith("ValueError"), out  # reported, and the job went on
 
 
 @pytest.mark.timeout(180)

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Reproduce the allreduce figures of docs/performance.md: hpcdp's default algorithm
-# against the MPI library's own MPI_Allreduce, same run, np = 2 and 4, for every MPI venv
-# given, ROUNDS rounds (each round runs every MPI and np once, so drift hits all alike).
+# against the MPI library's own MPI_Allreduce, same run, np = 2 and 4 (NPS), for every MPI
+# venv given, ROUNDS rounds (each round runs every MPI and np once, so drift hits all alike).
 #
 #   tools/bench/allreduce.sh [VENV ...]     (default: .venv, plus .venv-ompi if present)
-#   OUT=dir ROUNDS=5 TRIALS=5 SIZES=4k,...,256m EXTRA="--algos ring"
+#   OUT=dir ROUNDS=5 TRIALS=5 NPS="2 4" SIZES=4k,...,256m EXTRA="--algos ring"
+#
+# The cost model's one-node measurements (tools/bench/validate_model.py):
+#   OUT=out/model NPS="1 2 3 4 5 6 7 8" SIZES=4k,64k,1m,16m EXTRA="--algos ring,shm" \
+#       tools/bench/allreduce.sh .venv
 #
 # Writes one JSON line per size and round to $OUT/allreduce-<mpi>-np<N>.jsonl (field
 # "round"), then the summary of every point over the rounds (tools/bench/rounds.py) to
@@ -15,6 +19,7 @@ OUT=${OUT:-out/bench}
 ROUNDS=${ROUNDS:-5}
 TRIALS=${TRIALS:-5}
 SIZES=${SIZES:-4k,64k,256k,1m,4m,16m,64m,256m}
+NPS=${NPS:-2 4}
 mkdir -p "$OUT"
 venvs=("$@")
 if [ ${#venvs[@]} -eq 0 ]; then
@@ -27,12 +32,12 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=^o
 export OMPI_MCA_osc=sm
 mpi_of() { if "$1/bin/mpirun" --version 2>/dev/null | grep -q "Open MPI"; then echo ompi; else echo mpich; fi; }
 for v in "${venvs[@]}"; do
-  for np in 2 4; do : >"$OUT/allreduce-$(mpi_of "$v")-np$np.jsonl"; done
+  for np in $NPS; do : >"$OUT/allreduce-$(mpi_of "$v")-np$np.jsonl"; done
 done
 for ((round = 1; round <= ROUNDS; round++)); do
   for v in "${venvs[@]}"; do
     mpi=$(mpi_of "$v")
-    for np in 2 4; do
+    for np in $NPS; do
       flags=()
       [ "$mpi" = ompi ] && flags=(--oversubscribe)
       echo "round $round/$ROUNDS: $mpi np=$np" >&2

@@ -1,0 +1,88 @@
+"""The benchmark summarisers: tools/bench/rounds.py (one-node rounds against the bounds),
+tools/cluster/rounds.py (cluster rounds against the flat ring and native MPI) and
+tools/bench/validate_model.py (the cost model beside the measurements)."""
+import importlib.util
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _load(rel):
+    spec = importlib.util.spec_from_file_location(rel.replace("/", "_")[:-3], ROOT / rel)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench_rounds = _load("tools/bench/rounds.py")
+cluster_rounds = _load("tools/cluster/rounds.py")
+validate = _load("tools/bench/validate_model.py")
+
+
+def _line(nbytes, ratio, rnd, np_=2, mpi="MPICH", algo="shm"):
+    return {"bench": "allreduce", "mpi": mpi, "np": np_, "bytes": nbytes, "algo": algo, "round": rnd,
+            "ratio": ratio, "hpcdp_time_s": 1.0 / ratio, "native_time_s": 1.0}
+
+
+def test_a_point_holds_when_four_of_five_rounds_hold_its_bound():
+    lines = ([_line(4 * KiB, r, i) for i, r in enumerate([0.5, 0.3, 0.41, 0.45, 0.6])]
+             + [_line(MiB, r, i) for i, r in enumerate([1.1, 0.99, 1.2, 0.98, 1.3])]
+             + [_line(16 * KiB, 0.1, 1)])
+    by_size = {p["bytes"]: p for p in bench_rounds.summarise(lines)}
+    assert by_size[4 * KiB]["bound"] == 0.4 and by_size[4 * KiB]["held"] == 4
+    assert by_size[4 * KiB]["holds"] is True
+    assert by_size[MiB]["held"] == 3 and by_size[MiB]["holds"] is False
+    assert by_size[MiB]["ratios"] == [1.1, 0.99, 1.2, 0.98, 1.3] and by_size[MiB]["ratio_median"] == 1.1
+    assert by_size[16 * KiB]["bound"] is None and by_size[16 * KiB]["holds"] is None
+
+
+def _cluster(algo, t, native, link, placement="block"):
+    return {"algo": algo, "nodes": 2, "ranks_per_node": 2, "placement": placement, "rate": "1gbit",
+            "bytes": 64 * MiB, "time_s": t, "native_time_s": native, "internode_bytes_per_node": link}
+
+
+def test_cluster_rounds_relate_every_algorithm_to_the_ring_and_to_native():
+    lines = [_cluster("ring", 0.9, 0.7, 105e6), _cluster("ring", 0.8, 0.8, 105e6),
+             _cluster("two_level", 0.56, 0.7, 70e6), _cluster("two_level", 0.6, 0.75, 70e6),
+             {"algo": "nope", "error": "ValueError"}]
+    out = {r["algo"]: r for r in cluster_rounds.summarise(lines)}
+    assert set(out) == {"ring", "two_level"}
+    assert out["two_level"]["time_s"] == pytest.approx(0.58)
+    assert out["two_level"]["over_ring"] == pytest.approx(0.58 / 0.85)
+    assert out["two_level"]["over_native"] == pytest.approx((0.8 + 0.56 / 0.7) / 2)
+    assert out["two_level"]["bytes_over_ring"] == pytest.approx(70 / 105)
+    assert out["ring"]["rounds"] == 2 and out["ring"]["over_ring"] == 1.0
+
+
+def test_validation_bounds_only_points_within_the_cores():
+    from hpcdp.comm import costmodel
+    one_node = [dict(_line(MiB, 1.0, r, np_=n), ring_time_s=t, shm_time_s=t / 2)
+                for n, t in ((2, 4e-4), (4, 2e-3)) for r in range(3)]
+    cluster = [_cluster("two_level", 0.56, 0.7, 70e6)]
+    cal = costmodel.DEFAULTS
+    rows = validate.validate(one_node + cluster, cal, cal, cores=2)
+    keys = {(r["nodes"], r["ranks_per_node"], r["algo"]) for r in rows}
+    assert keys == {(1, 2, "ring"), (1, 2, "shm"), (1, 2, "native"), (1, 4, "ring"), (1, 4, "shm"),
+                    (1, 4, "native"), (2, 2, "two_level"), (2, 2, "native")}
+    for r in rows:
+        assert r["bound"] == (r["nodes"] * r["ranks_per_node"] <= 2)
+        assert (r["within"] is None) == (not r["bound"])
+        assert r["error"] == pytest.approx(r["predicted_s"] / r["measured_s"] - 1)
+    ring2 = next(r for r in rows if (r["nodes"], r["ranks_per_node"], r["algo"]) == (1, 2, "ring"))
+    assert ring2["rounds"] == 3 and ring2["measured_s"] == 4e-4
+    assert ring2["predicted_s"] == costmodel.predict("ring", MiB, costmodel.Topology.uniform(1, 2), cal)
+    tl = next(r for r in rows if r["algo"] == "two_level")
+    link = dataclasses.replace(cal, beta_inter=1e9 / 8)  # the shaped rate
+    assert tl["predicted_s"] == costmodel.predict("two_level", 64 * MiB, costmodel.Topology.uniform(2, 2), link)
+    assert json.dumps(rows)  # JSON lines
+
+
+def test_rates_are_read_as_tc_writes_them():
+    assert validate.rate_bytes("1gbit") == 125e6 and validate.rate_bytes("500mbit") == 62.5e6
+    with pytest.raises(ValueError, match="unknown rate"):
+        validate.rate_bytes("fast")

@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Validate hpcdp's allreduce cost model (hpcdp.comm.costmodel) against measurements: every
+configuration measured, the model's prediction beside the median over rounds.
+
+    .venv/bin/python tools/bench/validate_model.py --calibration CAL.json \\
+        [--cluster-calibration CAL2.json] [--cores N] MEASURED.jsonl ... > validation.jsonl
+
+MEASURED files hold JSON lines of two kinds, each with a ``round`` field:
+
+* ``hpcdp-bench allreduce --algos ring,shm`` on one node (tools/bench/allreduce.sh with
+  ``NPS="1 2 3 4 5 6 7 8"``): per line the native time and each named algorithm's
+  (``<algo>_time_s``);
+* ``tools/cluster/bench_allreduce.py`` lines from the emulated cluster
+  (``python tools/cluster/harness.py bench --json``): one algorithm per line, with its
+  nodes, ranks per node, placement and link rate.
+
+The prediction uses ``--calibration`` (``hpcdp-bench calibrate`` on one node) for the
+node's constants and, for cluster points, ``alpha_inter`` from ``--cluster-calibration``
+(``hpcdp-bench calibrate`` across two nodes) and the link's shaped rate as ``beta_inter``.
+
+One JSON line per (configuration, algorithm, size): ``measured_s`` (median over rounds),
+``predicted_s``, ``error`` (predicted / measured - 1), ``bound`` (the ranks summed over
+all nodes do not exceed ``--cores``, this machine's by default: only those points are held
+to ``|error| <= 0.25``) and ``within`` (null where unbound).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from hpcdp.comm import costmodel  # noqa: E402  (standard library only)
+
+BOUND = 0.25
+_RATE_UNITS = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8}
+
+
+def rate_bytes(rate: str) -> float:
+    """A tc rate such as ``1gbit`` in bytes per second."""
+    for unit, mult in _RATE_UNITS.items():
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * mult
+    raise ValueError(f"unknown rate {rate!r} (e.g. 500mbit, 1gbit)")
+
+
+def points(records: list[dict]) -> dict:
+    """``{(nodes, ranks_per_node, placement, rate, algo, bytes): [seconds per round]}``."""
+    out: dict[tuple, list] = {}
+    for r in records:
+        if r.get("bench") == "allreduce":  # one node, several algorithms per line
+            for key, value in r.items():
+                if key.endswith("_time_s") and key not in ("hpcdp_time_s", "hpcdp_async_time_s"):
+                    algo = key[:-len("_time_s")]
+                    out.setdefault((1, r["np"], "block", None, algo, r["bytes"]), []).append(value)
+        elif "algo" in r and "time_s" in r and "error" not in r:  # the cluster's lines
+            cfg = (r["nodes"], r["ranks_per_node"], r["placement"], r["rate"])
+            out.setdefault(cfg + (r["algo"], r["bytes"]), []).append(r["time_s"])
+            out.setdefault(cfg + ("native", r["bytes"]), []).append(r["native_time_s"])
+    return out
+
+
+def predict(key: tuple, cal, cluster_cal) -> float:
+    nodes, rpn, placement, rate, algo, nbytes = key
+    topo = costmodel.Topology.uniform(nodes, rpn, placement)
+    if nodes > 1:
+        cal = dataclasses.replace(cal, alpha_inter=cluster_cal.alpha_inter,
+                                  beta_inter=rate_bytes(rate) if rate else cluster_cal.beta_inter)
+    if algo == "auto":
+        algo = costmodel.choose(nbytes, topo, cal)
+    return costmodel.predict(algo, nbytes, topo, cal)
+
+
+def validate(records: list[dict], cal, cluster_cal, cores: int) -> list[dict]:
+    out = []
+    for key, times in sorted(points(records).items(), key=lambda kv: tuple(map(str, kv[0]))):
+        nodes, rpn, placement, rate, algo, nbytes = key
+        measured = statistics.median(times)
+        predicted = predict(key, cal, cluster_cal)
+        error = predicted / measured - 1
+        bound = nodes * rpn <= cores
+        out.append({"bench": "model-validation", "nodes": nodes, "ranks_per_node": rpn,
+                    "placement": placement, "rate": rate, "algo": algo, "bytes": nbytes,
+                    "rounds": len(times), "measured_s": measured, "predicted_s": predicted,
+                    "error": error, "bound": bound,
+                    "within": abs(error) <= BOUND if bound else None})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("measured", nargs="+", help="JSON lines files (see the module docstring)")
+    ap.add_argument("--calibration", required=True, help="hpcdp-bench calibrate on one node")
+    ap.add_argument("--cluster-calibration", help="hpcdp-bench calibrate across two nodes "
+                                                 "(alpha_inter; default: the model's default)")
+    ap.add_argument("--cores", type=int, default=os.cpu_count(),
+                    help="cores of the machine measured on (default: this one's)")
+    args = ap.parse_args(argv)
+    for path in (args.calibration, args.cluster_calibration):
+        if path is not None and not Path(path).is_file():
+            ap.error(f"no calibration file {path} (write it with hpcdp-bench calibrate --out)")
+    cal = costmodel.load(args.calibration)
+    cluster_cal = costmodel.load(args.cluster_calibration) if args.cluster_calibration \
+        else costmodel.DEFAULTS
+    records = [json.loads(line) for p in args.measured for line in open(p) if line.strip()]
+    for rec in validate(records, cal, cluster_cal, args.cores):
+        print(json.dumps(rec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
