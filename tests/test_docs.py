@@ -19,17 +19,17 @@ def _page(tmp_path, name, body):
 
 def test_a_table_is_rendered_from_its_records_and_checked(tmp_path):
     page = _page(tmp_path, "allreduce", "after")
-    rows = [{"bench": "allreduce", "np": 2, "bytes": 1 << 20, "hpcdp_time_s": 2e-4,
-             "hpcdp_async_time_s": 3e-4, "native_time_s": 1.5e-4, "ratio": 0.75, "ratio_async": 0.5,
-             "mpi": "MPICH 5.0.2"},
+    rows = [{"bench": "allreduce-rounds", "mpi": "MPICH 5.0.2", "np": 2, "bytes": 1 << 20,
+             "algo": "shm", "hpcdp_time_s": 2e-4, "native_time_s": 1.5e-4, "ratio_median": 0.75,
+             "ratios": [0.75, 0.7, 0.8], "bound": 1.0, "held": 0, "holds": False},
             {"bench": "other"}]
-    (tmp_path / "results" / "allreduce.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    (tmp_path / "results" / "allreduce-rounds.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
     assert results.main(["--docs", str(tmp_path), "--check"]) == 1
     assert results.main(["--docs", str(tmp_path)]) == 0
     text = page.read_text()
-    assert "| 2 | 1 MiB | 200 | 300 | 150 | 0.75 | 0.50 |" in text
+    assert "| MPICH 5.0.2 | 2 | 1 MiB | shm | 200 | 150 | 0.75 | 0.75 0.70 0.80 | 1 | 0 | no |" in text
     assert "old table" not in text and text.endswith("after\n") and "MPI: MPICH 5.0.2." in text
-    assert "hpcdp-bench allreduce" in text  # the command that writes the file
+    assert "tools/bench/allreduce.sh" in text  # the command that writes the file
     assert results.main(["--docs", str(tmp_path), "--check"]) == 0
 
 

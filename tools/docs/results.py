@@ -41,12 +41,20 @@ FORMATS = {
     "diff": lambda v: f"{v:+.2f}",
     "bool": lambda v: "yes" if v else "no",
     "num": lambda v: f"{v:g}",
+    "ratios": lambda v: " ".join(f"{x:.2f}" for x in v),
+    "pct": lambda v: f"{v * 100:+.0f} %",
+    "mb": lambda v: f"{v / 1e6:.1f}",
 }
 
 _TRAIN_COLUMNS = [("model", "model", "str"), ("mode", "mode", "str"), ("compression", "compression", "str"),
                   ("ranks", "np", "int"), ("step (ms)", "step_time_s", "ms"),
                   ("exposed comm (ms)", "exposed_comm_s", "ms"),
                   ("sent per step (kB)", "bytes_sent_per_step", "kb")]
+
+_CLUSTER_DDP = ("python tools/cluster/bench_train.py --rates 1gbit --nodes 2 --ranks-per-node 2 "
+                "--placement block --out docs/results/cluster-ddp.jsonl -- --model mlp-large "
+                "--global-batch 1024 --modes hpcdp --algos ring,auto --bucket-sweep ''")
+
 
 def _cell(value, fmt: str) -> str:
     """A formatted value; "-" where a record does not have it."""
@@ -57,14 +65,63 @@ def _cell(value, fmt: str) -> str:
 
 SPECS = {
     "allreduce": {
-        "file": "allreduce.jsonl",
-        "command": "for n in 2 4; do mpirun -np $n hpcdp-bench allreduce --sizes 64k,1m,4m,16m,64m,256m; "
-                   "done > docs/results/allreduce.jsonl",
-        "where": {"bench": "allreduce"},
-        "columns": [("ranks", "np", "int"), ("size", "bytes", "size"),
-                    ("hpcdp (us)", "hpcdp_time_s", "us"), ("hpcdp async (us)", "hpcdp_async_time_s", "us"),
-                    ("MPI_Allreduce (us)", "native_time_s", "us"), ("native / hpcdp", "ratio", "ratio"),
-                    ("native / async", "ratio_async", "ratio")],
+        "file": "allreduce-rounds.jsonl",
+        "command": "OUT=out/bench ROUNDS=5 tools/bench/allreduce.sh .venv .venv-ompi && "
+                   "cp out/bench/allreduce-rounds.jsonl docs/results/",
+        "where": {"bench": "allreduce-rounds"},
+        "columns": [("MPI", "mpi", "str"), ("ranks", "np", "int"), ("size", "bytes", "size"),
+                    ("default algo", "algo", "str"), ("hpcdp (us)", "hpcdp_time_s", "us"),
+                    ("MPI_Allreduce (us)", "native_time_s", "us"),
+                    ("native / hpcdp, median", "ratio_median", "ratio"),
+                    ("every round", "ratios", "ratios"), ("bound", "bound", "num"),
+                    ("rounds held", "held", "int"), ("holds", "holds", "bool")],
+    },
+    "cluster-allreduce": {
+        "file": "cluster-allreduce.jsonl",
+        "command": "for cfg in '2 1 block' '2 2 block' '2 2 cyclic' '3 1 block' '3 2 block'; do set -- $cfg; "
+                   "for r in 1 2 3 4 5; do python tools/cluster/harness.py bench --nodes $1 "
+                   "--ranks-per-node $2 --placement $3 --rates 1gbit --size-mib 64 "
+                   "--algos ring,two_level,auto --iters 3 --json; done; done "
+                   "> docs/results/cluster-allreduce-raw.jsonl; python3 tools/cluster/rounds.py "
+                   "docs/results/cluster-allreduce-raw.jsonl > docs/results/cluster-allreduce.jsonl",
+        "where": {"bench": "cluster-allreduce-rounds"},
+        "columns": [("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "int"),
+                    ("placement", "placement", "str"), ("link", "rate", "str"), ("algo", "algo", "str"),
+                    ("size", "bytes", "size"), ("rounds", "rounds", "int"),
+                    ("time (ms)", "time_s", "ms"), ("native (ms)", "native_time_s", "ms"),
+                    ("/ flat ring", "over_ring", "ratio"), ("/ native", "over_native", "ratio"),
+                    ("link MB/node", "internode_bytes_per_node", "mb"),
+                    ("link bytes / ring's", "bytes_over_ring", "ratio")],
+    },
+    "cluster-ddp": {
+        "file": "cluster-ddp.jsonl",
+        "command": _CLUSTER_DDP,
+        "where": {"bench": "train"},
+        "columns": [("link", "rate", "str"), ("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "int"),
+                    ("model", "model", "str"), ("algo", "algo", "str"), ("step (ms)", "step_time_s", "ms"),
+                    ("min (ms)", "step_time_min_s", "ms"), ("max (ms)", "step_time_max_s", "ms"),
+                    ("exposed comm (ms)", "exposed_comm_s", "ms"), ("steps", "steps", "int")],
+    },
+    "cluster-ddp-summary": {
+        "file": "cluster-ddp.jsonl",
+        "command": _CLUSTER_DDP,
+        "where": {"bench": "train-summary"},
+        "columns": [("model", "model", "str"), ("ranks", "np", "int"),
+                    ("auto / ring, medians", "hpcdp_algo_auto_over_hpcdp_algo_ring", "ratio"),
+                    ("auto / ring, paired by round", "paired_hpcdp_algo_auto_over_hpcdp_algo_ring", "ratio")],
+    },
+    "model-validation": {
+        "file": "model-validation.jsonl",
+        "command": ".venv/bin/python tools/bench/validate_model.py --calibration docs/results/calibration.json "
+                   "--cluster-calibration docs/results/calibration-cluster.json --cores 2 "
+                   "docs/results/model-one-node.jsonl docs/results/cluster-allreduce-raw.jsonl "
+                   "> docs/results/model-validation.jsonl",
+        "where": {"bench": "model-validation"},
+        "columns": [("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "int"),
+                    ("placement", "placement", "str"), ("link", "rate", "str"), ("algo", "algo", "str"),
+                    ("size", "bytes", "size"), ("rounds", "rounds", "int"),
+                    ("measured (us)", "measured_s", "us"), ("predicted (us)", "predicted_s", "us"),
+                    ("error", "error", "pct"), ("bound", "bound", "bool"), ("within 25 %", "within", "bool")],
     },
     "train": {
         "file": "train.jsonl",
