@@ -36,3 +36,41 @@ def test_test_lets_mpi_progress_until_complete():
     r = Round(win, None)
     assert [r.Test(), r.Test(), r.Test(), r.Test()] == [False, False, True, True]
     assert win.pokes == 2  # no MPI call once the round is complete
+
+
+ABORTING_JOB = """
+import numpy as np, hpcdp
+hpcdp.init()
+x = np.ones(1 << 20, np.float32)
+hpcdp.allreduce(x, algo="shm")
+if hpcdp.rank() == 1:
+    raise RuntimeError("rank 1 fails on purpose")
+hpcdp.barrier()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_fails_leaves_no_window_in_dev_shm():
+    """The node's windows live in /dev/shm while the job runs (MPICH unlinks its files at
+    once and keeps them mapped, so a name check would not see them: the free space does).
+    A job ended by one rank's uncaught exception must give them all back; the MPI library's
+    own 2 MiB segment, which a plain MPI_Abort leaves too, is inside the tolerance."""
+    import os
+    import time
+
+    from launch import run_mpi
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    capacity = 16 << 20  # 2 ranks x 2 halves x 16 MiB = 64 MiB of windows
+
+    def free():
+        st = os.statvfs("/dev/shm")
+        return st.f_bavail * st.f_frsize
+
+    before = free()
+    p = run_mpi(2, ["-c", ABORTING_JOB], timeout=100, env={"HPCDP_SHM_BYTES": str(capacity)})
+    assert p.returncode != 0 and "rank 1 fails on purpose" in p.stdout + p.stderr, p.stderr
+    deadline = time.monotonic() + 10  # the ranks' exits may finish after mpirun's
+    while (lost := before - free()) >= 8 << 20 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert lost < 8 << 20, f"/dev/shm has {lost / 2**20:.0f} MiB less free 10 s after the job"
