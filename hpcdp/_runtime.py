@@ -119,6 +119,12 @@ class _Runtime:
                     _say_shm_refused(self, free, need, capacity)
         return w if w.win is not None else None
 
+    def node_data_ready(self) -> bool:
+        """Whether :meth:`node_data` is decided (made, or refused), so that calling it
+        involves no other rank."""
+        w = self._node_window
+        return self._shm_refused or (w is not None and w.win is not None)
+
     def cross(self):
         """``(communicator, slices)`` of the two-level allreduce: ``slices`` is the number of
         ranks on the smallest node, and local rank ``k < slices`` of every node joins cross

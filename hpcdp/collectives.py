@@ -114,12 +114,16 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
     """Generator: the check, then the shared-memory allreduce, the plain ring, a ring codec's
     ring or a two-phase codec."""
     average = op == _OPS["avg"]
-    # (no window where /dev/shm is too small: those calls take the ring)
-    window = rt.node_data() if algo == "shm" else None
-    if window is not None:
-        yield from shm_allreduce(ctx, window, buf, average,
-                                 _shm_signature(rt, buf, op) if check else None)
-        return
+    if algo == "shm":
+        sig = _shm_signature(rt, buf, op) if check else None
+        if sig is not None and not rt.node_data_ready():
+            yield from node_round(ctx, rt.node_window(), sig)  # (see _check_before_window)
+            sig, check = None, False
+        # (no window where /dev/shm is too small: those calls take the ring)
+        window = rt.node_data()
+        if window is not None:
+            yield from shm_allreduce(ctx, window, buf, average, sig)
+            return
     if check:
         yield from _check_gen(rt, ctx, "allreduce", _ALLREDUCE, buf, op, _allreduce_extra(comp, algo))
     window = rt.node_data() if algo == "two_level" else None
@@ -210,13 +214,25 @@ def _small_allreduce(rt, ctx, buf, op: int, check: bool) -> None:
 def _shm_call(rt, ctx, buf, op: int, check: bool) -> None:
     """A blocking shared-memory call as one plain function (the ring where ``/dev/shm`` is
     too small, see :meth:`_Runtime.node_data`)."""
+    sig = _shm_signature(rt, buf, op) if check else None
+    if sig is not None and not rt.node_data_ready():
+        _check_before_window(rt, ctx, sig)
+        sig, check = None, False
     ctx.at("shared-memory window (made by every rank of the node at its first use)")
     window = rt.node_data()
     if window is None:
         drive(ctx.MPI, _allreduce_gen(rt, ctx, buf, op, check, True, None, None, "shm"), ctx.yield_cpu)
         return
-    sig = _shm_signature(rt, buf, op) if check else None
     shm_allreduce_blocking(ctx, window, buf, op == _OPS["avg"], sig)
+
+
+def _check_before_window(rt, ctx, sig) -> None:
+    """The first shared-memory call makes the node's data window, which every rank of the
+    node must do together: its argument check is a flag round of its own, before that, so
+    that ranks that disagree (one of them calling another algorithm, or another
+    collective) raise instead of hanging in the window's creation. Later calls check in
+    their first data round."""
+    drive(ctx.MPI, node_round(ctx, rt.node_window(), sig), ctx.yield_cpu)
 
 
 def _shm_signature(rt, buf, op: int):

@@ -74,3 +74,30 @@ def test_a_rank_that_fails_leaves_no_window_in_dev_shm():
     while (lost := before - free()) >= 8 << 20 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert lost < 8 << 20, f"/dev/shm has {lost / 2**20:.0f} MiB less free 10 s after the job"
+
+
+FIRST_CALL_MISMATCH = """
+import numpy as np, hpcdp
+hpcdp.init()
+x = np.ones(100, np.float32)
+try:  # the job's first shared-memory call: rank 0 calls the ring instead
+    hpcdp.allreduce(x, algo="ring" if hpcdp.rank() == 0 else "shm")
+except hpcdp.MismatchError as exc:
+    assert "algo=ring" in str(exc) and "algo=shm" in str(exc), str(exc)
+else:
+    raise AssertionError("no MismatchError")
+hpcdp.allreduce(x, algo="shm")
+assert np.all(x == hpcdp.size()), x[:3]
+print("OK", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("np_", [2, 3])
+def test_a_mismatch_at_the_first_shared_memory_call_raises_instead_of_hanging(np_):
+    """The first shared-memory call makes the data window (with every rank of the node);
+    a rank calling something else then must not leave the others waiting in its creation."""
+    from launch import run_mpi
+    p = run_mpi(np_, ["-c", FIRST_CALL_MISMATCH], timeout=100)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("OK") == np_, p.stdout  # every rank raised, then reduced
