@@ -23,7 +23,7 @@ from .comm.nodewin import node_round
 from .comm.shm import shm_allreduce, shm_allreduce_blocking
 from .comm.spaces import space_for
 from .comm.lowrank import lowrank_allreduce
-from .comm.twolevel import two_level_allreduce
+from .comm.twolevel import slice_elements, two_level_allreduce
 from .comm.twophase import twophase_allreduce
 from .comm.waiting import drive
 from .compress.registry import code, code_name, resolve
@@ -128,7 +128,7 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
         yield from _check_gen(rt, ctx, "allreduce", _ALLREDUCE, buf, op, _allreduce_extra(comp, algo))
     window = rt.node_data() if algo == "two_level" else None
     if window is not None:
-        yield from _two_level_gen(rt, ctx, window, buf, average)
+        yield from _two_level_gen(rt, ctx, window, buf, average, comp)
     elif comp is None:
         yield from _plain_gen(rt, ctx, buf, average, blocking)
     elif comp.collective == "two_phase":
@@ -148,16 +148,27 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
         space.done()  # the last decodes are done before the handle completes
 
 
-def _two_level_gen(rt, ctx, window, buf, average: bool):
-    """Generator: the two-level allreduce with this rank's cross-node context, if it has one."""
+def _two_level_gen(rt, ctx, window, buf, average: bool, comp=None):
+    """Generator: the two-level allreduce with this rank's cross-node context, if it has one
+    (with a ring codec, its ring across nodes sends the codec's frames)."""
     comm, slices = rt.cross()
     cross = None
     if comm is not None:
         cross = OpContext(comm, rt.MPI, ctx.tag, ctx.stats, None, ctx.yield_cpu)
         cross.where = ctx.where
-    seg = max(1, _cfg.segment_bytes // buf.dtype.itemsize)
+    if comp is None:
+        seg = max(1, _cfg.segment_bytes // buf.dtype.itemsize)
+        yield from two_level_allreduce(ctx, window, cross, slices, buf, average, rt.size,
+                                       rt.tmp(buf, _cfg.window * seg), _cfg)
+        return
+    wire_dtype = np.dtype(comp.wire_dtype)
+    seg = max(1, _cfg.segment_bytes // wire_dtype.itemsize)
+    wire = rt.scratch("wire", slice_elements(window, buf, slices), wire_dtype)
     yield from two_level_allreduce(ctx, window, cross, slices, buf, average, rt.size,
-                                   rt.tmp(buf, _cfg.window * seg), _cfg)
+                                   rt.scratch("wire-tmp", _cfg.window * seg, wire_dtype), _cfg,
+                                   comp, wire)
+    if ctx.stats is not None:  # (every rank holds the same bits, so the same answer)
+        ctx.stats["nonfinite"] = not bool(np.isfinite(buf.data).all())
 
 
 def _codec_frames(rt, buf, comp, space, scale: float):
@@ -288,8 +299,9 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     :mod:`hpcdp.comm.shm`), ``"two_level"`` (shared memory inside nodes, one ring per
     local rank across nodes, see :mod:`hpcdp.comm.twolevel`) or ``"auto"`` (the cost
     model's pick for the size and topology, see :mod:`hpcdp.comm.costmodel`); default
-    ``$HPCDP_ALGO`` or ``"auto"``. It applies to uncompressed host buffers; device buffers
-    and compressed calls keep their own schedules.
+    ``$HPCDP_ALGO`` or ``"auto"``. It applies to host buffers; device buffers keep the
+    ring, compressed calls too, except that fp16/bf16 compression composes with
+    ``"two_level"`` (only its ring across nodes is compressed).
     ``x`` must not be touched until the handle completes.
     """
     rt = runtime("allreduce_async()")
@@ -307,7 +319,9 @@ def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
 
 def _pick_algo(rt, algo, buf, comp) -> str:
     """The algorithm this call runs: ``algo``, else ``$HPCDP_ALGO`` (read at init), else
-    ``"auto"``; it applies to uncompressed host buffers (the others keep the ring)."""
+    ``"auto"``; it applies to host buffers. Compressed calls take the ring, except that a
+    ring codec (fp16, bf16) takes ``two_level`` where the plain call would, compressing
+    its ring across nodes only."""
     algo = algo or rt.algo
     if algo != "auto" and algo not in ALGOS:
         raise ValueError(f"rank {rt.rank}: allreduce of {buf.name!r}: algo must be one of auto, "
@@ -316,12 +330,14 @@ def _pick_algo(rt, algo, buf, comp) -> str:
         raise ValueError(f"rank {rt.rank}: allreduce of {buf.name!r}: algo='shm' needs every rank "
                          f"on one node, and this job's {rt.size} ranks are on {len(rt.nodes)} "
                          "nodes: use algo='two_level' (or 'auto')")
-    if buf.kind != "host" or comp is not None:
+    if buf.kind != "host":
         return "ring"
     if algo == "auto":
-        return rt.auto_algo(buf.n * buf.dtype.itemsize)
+        algo = rt.auto_algo(buf.n * buf.dtype.itemsize)
     if algo == "two_level" and len(rt.nodes) == 1:
-        return "shm"  # one node: the two levels are one
+        algo = "shm"  # one node: the two levels are one
+    if comp is not None:  # ring codecs compress two_level's ring across nodes; the rest: ring
+        return "two_level" if algo == "two_level" and comp.collective == "ring" else "ring"
     return algo
 
 

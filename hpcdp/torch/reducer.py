@@ -173,7 +173,7 @@ class Reducer:
         if algo is not None and algo != "auto" and algo not in ALGOS:
             raise ValueError(f"{owner}: algo must be one of auto, {', '.join(ALGOS)}, or None for "
                              f"HPCDP_ALGO (default auto), got {algo!r}")
-        self.algo = algo  # uncompressed buckets' allreduce algorithm (None: the runtime's)
+        self.algo = algo  # the buckets' allreduce algorithm (None: the runtime's; see _pick_algo)
         # a compressed-momentum optimizer (hpcdp.optim) steering the buckets, see couple()
         self.momentum = None
         # compressor states (1-bit residuals) live in the runtime's store, under this prefix
@@ -426,7 +426,7 @@ class Reducer:
             b.codec = (comp, state, grads)
             b.payload = comp.payload_nbytes(grads.numel(), self.rt.size, state)
             b.handle = allreduce_async(grads, op="avg", name=name, check=False, stats=b.stats,
-                                       compression=comp, state=state, on_step=on_step)
+                                       compression=comp, state=state, on_step=on_step, algo=self.algo)
             if b.tail is not None:
                 b.tail_handle = allreduce_async(b.tail, op="avg", name=f"{name}.tail", check=False,
                                                 stats=b.stats, algo=self.algo)

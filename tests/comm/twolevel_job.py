@@ -58,6 +58,41 @@ def check_link_bytes(rt):
         assert abs(got - expected) <= 64 * nodes, f"rank {rt.rank}: node {k} sent {got}, expected {expected}"
 
 
+def check_compressed(rt):
+    """fp16 / bf16 compose with two_level: only the ring across nodes is compressed, so each
+    node's link carries half the float32 bytes; every rank holds the same bits, close to the
+    float64 reference; a call that overflows fp16 says so (``nonfinite``) on every rank."""
+    rank, size, nodes = rt.rank, rt.size, len(rt.nodes)
+    node = next(i for i, ranks in enumerate(rt.nodes) if rank in ranks)
+    for comp, tol in (("fp16", 2e-3), ("bf16", 2e-2)):
+        for algo in ("two_level", "auto"):
+            for n in (1, 17, 300_001):
+                for op in ("sum", "avg"):
+                    x = inputs(rank, n, np.float32)
+                    ref = sum(inputs(r, n, np.float32).astype(np.float64) for r in range(size))
+                    ref = ref / size if op == "avg" else ref
+                    stats = {}
+                    hpcdp.allreduce(x, op=op, algo=algo, compression=comp, stats=stats, name="c")
+                    what = f"{comp} {algo} {op} of {n}"
+                    # (each hop rounds to fp16 / bf16: an error relative to the largest sum)
+                    assert np.allclose(x, ref, rtol=tol, atol=tol * np.abs(ref).max()), \
+                        f"rank {rank}: {what}: max error {np.abs(x - ref).max()}"
+                    assert_identical_everywhere(rt.comm, x, what)
+                    assert stats["nonfinite"] is False, f"rank {rank}: {what}: {stats}"
+        stats = {}
+        n = 1 << 20
+        hpcdp.allreduce(np.ones(n, np.float32), compression=comp, algo="two_level", stats=stats)
+        sent = rt.comm.allgather((node, stats.get("bytes_sent", 0)))
+        expected = 2 * (nodes - 1) / nodes * 2 * n  # 2-byte frames
+        for k in range(nodes):
+            got = sum(b for i, b in sent if i == k)
+            assert abs(got - expected) <= 64 * nodes, f"rank {rank}: {comp}: node {k} sent {got}, expected {expected}"
+    big = np.full(1000, 60000.0, np.float32)  # the sum over nodes overflows fp16
+    stats = {}
+    hpcdp.allreduce(big, compression="fp16", algo="two_level", stats=stats)
+    assert stats["nonfinite"] is True, f"rank {rank}: {stats}"
+
+
 def check_mismatch(rt):
     if rt.size == 1:
         return
@@ -86,6 +121,7 @@ def main():
         check_sums(rt, algo)
     if len(rt.nodes) > 1:
         check_link_bytes(rt)
+        check_compressed(rt)
         check_shm_needs_one_node(rt)
     check_mismatch(rt)
     if rt.rank == 0:
