@@ -117,10 +117,14 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
     if algo == "shm":
         sig = _shm_signature(rt, buf, op) if check else None
         if sig is not None and not rt.node_data_ready():
-            yield from node_round(ctx, rt.node_window(), sig)  # (see _check_before_window)
+            # The first shared-memory call makes the node's data window, which every rank
+            # of the node must do together: its check is a flag round of its own before
+            # that, so that ranks that disagree (one calling another algorithm or another
+            # collective) raise instead of hanging in the window's creation.
+            yield from node_round(ctx, rt.node_window(), sig)
             sig, check = None, False
-        # (no window where /dev/shm is too small: those calls take the ring)
-        window = rt.node_data()
+        ctx.at("shared-memory window (made by every rank of the node at its first use)")
+        window = rt.node_data()  # (None where /dev/shm is too small: those calls take the ring)
         if window is not None:
             yield from shm_allreduce(ctx, window, buf, average, sig)
             return
@@ -148,6 +152,11 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
         space.done()  # the last decodes are done before the handle completes
 
 
+def _slots(itemsize: int) -> int:
+    """Elements of a ring's receive slots: ``window`` segments of ``segment_bytes``."""
+    return _cfg.window * max(1, _cfg.segment_bytes // itemsize)
+
+
 def _two_level_gen(rt, ctx, window, buf, average: bool, comp=None):
     """Generator: the two-level allreduce with this rank's cross-node context, if it has one
     (with a ring codec, its ring across nodes sends the codec's frames)."""
@@ -157,16 +166,14 @@ def _two_level_gen(rt, ctx, window, buf, average: bool, comp=None):
         cross = OpContext(comm, rt.MPI, ctx.tag, ctx.stats, None, ctx.yield_cpu)
         cross.where = ctx.where
     if comp is None:
-        seg = max(1, _cfg.segment_bytes // buf.dtype.itemsize)
         yield from two_level_allreduce(ctx, window, cross, slices, buf, average, rt.size,
-                                       rt.tmp(buf, _cfg.window * seg), _cfg)
+                                       rt.tmp(buf, _slots(buf.dtype.itemsize)), _cfg)
         return
     wire_dtype = np.dtype(comp.wire_dtype)
-    seg = max(1, _cfg.segment_bytes // wire_dtype.itemsize)
     wire = rt.scratch("wire", slice_elements(window, buf, slices), wire_dtype)
     yield from two_level_allreduce(ctx, window, cross, slices, buf, average, rt.size,
-                                   rt.scratch("wire-tmp", _cfg.window * seg, wire_dtype), _cfg,
-                                   comp, wire)
+                                   rt.scratch("wire-tmp", _slots(wire_dtype.itemsize), wire_dtype),
+                                   _cfg, comp, wire)
     if ctx.stats is not None:  # (every rank holds the same bits, so the same answer)
         ctx.stats["nonfinite"] = not bool(np.isfinite(buf.data).all())
 
@@ -176,7 +183,7 @@ def _codec_frames(rt, buf, comp, space, scale: float):
     memory that MPI reads (CUDA-aware); or device memory mirrored in pinned host memory,
     so that only frames are staged, never the float32 data."""
     wire_dtype = np.dtype(comp.wire_dtype)
-    nslots = _cfg.window * max(1, _cfg.segment_bytes // wire_dtype.itemsize)
+    nslots = _slots(wire_dtype.itemsize)
     if buf.kind == "host":
         wire = rt.scratch("wire", buf.n, wire_dtype)
         return (CodecFrames(comp, buf.data, wire, wire, scale, space),
@@ -203,9 +210,8 @@ def _plain_gen(rt, ctx, buf, average: bool, blocking: bool):
     elif blocking and ctx.on_step is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
         _one_message_ring(rt, ctx, buf, average)
     else:
-        seg = max(1, _cfg.segment_bytes // buf.dtype.itemsize)
         yield from ring_allreduce(ctx, buf.n, PlainFrames(buf, average, rt.size),
-                                  rt.tmp(buf, _cfg.window * seg), _cfg, buf.dtype.itemsize)
+                                  rt.tmp(buf, _slots(buf.dtype.itemsize)), _cfg, buf.dtype.itemsize)
 
 
 def _ring_of(rt, ctx, name: str, data, average: bool):
@@ -223,27 +229,15 @@ def _small_allreduce(rt, ctx, buf, op: int, check: bool) -> None:
 
 
 def _shm_call(rt, ctx, buf, op: int, check: bool) -> None:
-    """A blocking shared-memory call as one plain function (the ring where ``/dev/shm`` is
-    too small, see :meth:`_Runtime.node_data`)."""
-    sig = _shm_signature(rt, buf, op) if check else None
-    if sig is not None and not rt.node_data_ready():
-        _check_before_window(rt, ctx, sig)
-        sig, check = None, False
-    ctx.at("shared-memory window (made by every rank of the node at its first use)")
-    window = rt.node_data()
+    """A blocking shared-memory call as one plain function, once the node's data window is
+    made; the first call (which makes it) and calls where ``/dev/shm`` is too small (the
+    ring, see :meth:`_Runtime.node_data`) drive the generator."""
+    window = rt.node_data() if rt.node_data_ready() else None
     if window is None:
         drive(ctx.MPI, _allreduce_gen(rt, ctx, buf, op, check, True, None, None, "shm"), ctx.yield_cpu)
         return
+    sig = _shm_signature(rt, buf, op) if check else None
     shm_allreduce_blocking(ctx, window, buf, op == _OPS["avg"], sig)
-
-
-def _check_before_window(rt, ctx, sig) -> None:
-    """The first shared-memory call makes the node's data window, which every rank of the
-    node must do together: its argument check is a flag round of its own, before that, so
-    that ranks that disagree (one of them calling another algorithm, or another
-    collective) raise instead of hanging in the window's creation. Later calls check in
-    their first data round."""
-    drive(ctx.MPI, node_round(ctx, rt.node_window(), sig), ctx.yield_cpu)
 
 
 def _shm_signature(rt, buf, op: int):

@@ -38,8 +38,8 @@ from .nodewin import node_round
 from .schedule import chunk_bounds
 from .waiting import complete, drive
 
-__all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "reduce_in_ring_order",
-           "SHM_CAPACITY", "SHM_SMALL", "HALF_DTYPES"]
+__all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "copy_out", "reduce_in_ring_order",
+           "segment_elements", "SHM_CAPACITY", "SHM_SMALL", "HALF_DTYPES"]
 
 #: bytes of a segment (each rank's window part holds two)
 SHM_CAPACITY = 4 << 20
@@ -58,11 +58,10 @@ def shm_allreduce(ctx, window, buf, average: bool, sig=None, small: int = SHM_SM
     to do (as on the ring)."""
     if window.size == 1 or buf.n == 0:
         return
-    data = buf.data
-    if buf.n * data.dtype.itemsize <= min(small, window.capacity):
+    if _one_round_fits(window, buf, small):
         yield from _one_round(ctx, window, buf, average, sig)
         return
-    per = max(1, window.capacity // data.dtype.itemsize)
+    per = segment_elements(window, buf)
     for lo in range(0, buf.n, per):
         yield from _segment(ctx, window, buf, lo, min(buf.n, lo + per), average, sig)
         sig = None
@@ -74,7 +73,7 @@ def shm_allreduce_blocking(ctx, window, buf, average: bool, sig=None, small: int
     cost), larger ones drive the generator."""
     if window.size == 1 or buf.n == 0:
         return
-    if buf.n * buf.data.dtype.itemsize > min(small, window.capacity):
+    if not _one_round_fits(window, buf, small):
         drive(ctx.MPI, shm_allreduce(ctx, window, buf, average, sig, small), ctx.yield_cpu)
         return
     parts = copy_in(window, buf, 0, buf.n, average, window.size)
@@ -84,6 +83,15 @@ def shm_allreduce_blocking(ctx, window, buf, average: bool, sig=None, small: int
         complete(ctx.MPI, pending, ctx.yield_cpu)
     window.arrived(sig)
     _sum_in_rank_order(window, buf, parts, average)
+
+
+def _one_round_fits(window, buf, small: int) -> bool:
+    return buf.n * buf.data.dtype.itemsize <= min(small, window.capacity)
+
+
+def segment_elements(window, buf) -> int:
+    """Elements of ``buf`` per segment: what one half of the window holds."""
+    return max(1, window.capacity // buf.data.dtype.itemsize)
 
 
 def copy_in(window, buf, lo: int, hi: int, average: bool, divisor: int):
@@ -127,10 +135,15 @@ def _segment(ctx, window, buf, lo: int, hi: int, average: bool, sig):
     reduce_in_ring_order(buf.ops, parts, window.rank, bounds, average and not half, size)
     yield from node_round(ctx, window)
     ctx.at("shared-memory allreduce: copy out")
-    data = buf.data
-    for r in range(size):
-        data[lo + bounds[r]:lo + bounds[r + 1]] = parts[r][bounds[r]:bounds[r + 1]]
+    copy_out(buf, lo, parts, bounds)
     window.half ^= 1
+
+
+def copy_out(buf, lo: int, parts, bounds) -> None:
+    """The segment from ``lo``: slice j (``bounds[j]:bounds[j+1]``) out of ``parts[j]``."""
+    data = buf.data
+    for j in range(len(bounds) - 1):
+        data[lo + bounds[j]:lo + bounds[j + 1]] = parts[j][bounds[j]:bounds[j + 1]]
 
 
 def reduce_in_ring_order(ops, parts, k: int, bounds, scale: bool, divisor: int):

@@ -36,7 +36,7 @@ from .buffers import Buffer
 from .nodewin import node_round
 from .ring import CodecFrames, PlainFrames, ring_allreduce
 from .schedule import chunk_bounds
-from .shm import HALF_DTYPES, copy_in, reduce_in_ring_order
+from .shm import HALF_DTYPES, copy_in, copy_out, reduce_in_ring_order, segment_elements
 from .spaces import HOST
 
 __all__ = ["two_level_allreduce"]
@@ -57,18 +57,13 @@ def two_level_allreduce(ctx, window, cross, slices: int, buf, average: bool, tot
                             total, tmp, cfg, codec, wire)
 
 
-def segment_elements(window, buf) -> int:
-    """Elements of ``buf`` per segment: what one half of the window holds."""
-    return max(1, window.capacity // buf.data.dtype.itemsize)
-
-
 def slice_elements(window, buf, slices: int) -> int:
     """The most elements a local rank's slice of a segment can have."""
     return -(-min(buf.n, segment_elements(window, buf)) // slices)
 
 
 def _segment(ctx, window, cross, slices, buf, lo, hi, average, total, tmp, cfg, codec, wire):
-    data, half = buf.data, buf.dtype.name in HALF_DTYPES
+    half = buf.dtype.name in HALF_DTYPES
     ctx.at("two-level allreduce: copy in")
     parts = copy_in(window, buf, lo, hi, average, total)
     yield from node_round(ctx, window)
@@ -78,8 +73,7 @@ def _segment(ctx, window, cross, slices, buf, lo, hi, average, total, tmp, cfg, 
                                  average and not half, total, tmp, cfg, codec, wire)
     yield from node_round(ctx, window)
     ctx.at("two-level allreduce: copy out")
-    for k in range(slices):
-        data[lo + bounds[k]:lo + bounds[k + 1]] = parts[k][bounds[k]:bounds[k + 1]]
+    copy_out(buf, lo, parts, bounds)
     window.half ^= 1
 
 
