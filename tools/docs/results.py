@@ -51,6 +51,10 @@ _TRAIN_COLUMNS = [("model", "model", "str"), ("mode", "mode", "str"), ("compress
                   ("exposed comm (ms)", "exposed_comm_s", "ms"),
                   ("sent per step (kB)", "bytes_sent_per_step", "kb")]
 
+# an allreduce point measured over rounds: where, which algorithm, what size
+_POINT_COLUMNS = [("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "int"),
+                  ("placement", "placement", "str"), ("link", "rate", "str"), ("algo", "algo", "str"),
+                  ("size", "bytes", "size"), ("rounds", "rounds", "int")]
 _CLUSTER_DDP = ("python tools/cluster/bench_train.py --rates 1gbit --nodes 2 --ranks-per-node 2 "
                 "--placement block --out docs/results/cluster-ddp.jsonl -- --model mlp-large "
                 "--global-batch 1024 --modes hpcdp --algos ring,auto --bucket-sweep ''")
@@ -85,13 +89,10 @@ SPECS = {
                    "> docs/results/cluster-allreduce-raw.jsonl; python3 tools/cluster/rounds.py "
                    "docs/results/cluster-allreduce-raw.jsonl > docs/results/cluster-allreduce.jsonl",
         "where": {"bench": "cluster-allreduce-rounds"},
-        "columns": [("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "int"),
-                    ("placement", "placement", "str"), ("link", "rate", "str"), ("algo", "algo", "str"),
-                    ("size", "bytes", "size"), ("rounds", "rounds", "int"),
-                    ("time (ms)", "time_s", "ms"), ("native (ms)", "native_time_s", "ms"),
-                    ("/ flat ring", "over_ring", "ratio"), ("/ native", "over_native", "ratio"),
-                    ("link MB/node", "internode_bytes_per_node", "mb"),
-                    ("link bytes / ring's", "bytes_over_ring", "ratio")],
+        "columns": _POINT_COLUMNS + [
+            ("time (ms)", "time_s", "ms"), ("native (ms)", "native_time_s", "ms"),
+            ("/ flat ring", "over_ring", "ratio"), ("/ native", "over_native", "ratio"),
+            ("link MB/node", "internode_bytes_per_node", "mb"), ("link bytes / ring's", "bytes_over_ring", "ratio")],
     },
     "cluster-ddp": {
         "file": "cluster-ddp.jsonl",
@@ -117,11 +118,9 @@ SPECS = {
                    "docs/results/model-one-node.jsonl docs/results/cluster-allreduce-raw.jsonl "
                    "> docs/results/model-validation.jsonl",
         "where": {"bench": "model-validation"},
-        "columns": [("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "int"),
-                    ("placement", "placement", "str"), ("link", "rate", "str"), ("algo", "algo", "str"),
-                    ("size", "bytes", "size"), ("rounds", "rounds", "int"),
-                    ("measured (us)", "measured_s", "us"), ("predicted (us)", "predicted_s", "us"),
-                    ("error", "error", "pct"), ("bound", "bound", "bool"), ("within 25 %", "within", "bool")],
+        "columns": _POINT_COLUMNS + [
+            ("measured (us)", "measured_s", "us"), ("predicted (us)", "predicted_s", "us"),
+            ("error", "error", "pct"), ("bound", "bound", "bool"), ("within 25 %", "within", "bool")],
     },
     "train": {
         "file": "train.jsonl",
