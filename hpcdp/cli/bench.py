@@ -1,5 +1,5 @@
 """``hpcdp-bench SUBCOMMAND``: benchmarks that print JSON lines and always time
-the peer in the same run. Subcommands: ``allreduce``, ``train``, ``overlap``, ``compress``,
+the peer in the same run. Subcommands: ``allreduce``, ``train``, ``synthetic``, ``overlap``, ``compress``,
 ``model`` (the cost model's predictions, no MPI) and ``calibrate`` (measure its constants)."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ _SUBCOMMANDS = {
     "overlap": "hpcdp.cli.bench_overlap",
     "compress": "hpcdp.cli.bench_compress",
     "model": "hpcdp.cli.bench_model",
+    "synthetic": "hpcdp.cli.bench_synthetic",
     "calibrate": "hpcdp.cli.bench_calibrate",
 }
 

@@ -76,17 +76,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 
+from ._runners import HPCDP_MODES as _HPCDP_MODES
+from ._runners import Runner
+
 _DEFAULT_STEPS = {"mlp-small": (40, 5), "mlp-medium": (20, 3), "mlp-large": (12, 2),
                   "mlp-xlarge": (8, 2), "digits": (100, 10)}
 _MODES = ("single", "naive", "hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace", "ddp")
-_HPCDP_MODES = ("hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace")
 
 
 def _csv(text: str) -> list[str]:
@@ -143,125 +144,6 @@ def _variants(modes, compressions, algos, bucket_mb, sweep):
     if "hpcdp" in modes:
         out += [("hpcdp", v, c, algos[0]) for v in sweep if v != bucket_mb for c in compressions]
     return out
-
-
-class _Runner:
-    """One mode: its own model replica (same seed), optimizer and step function."""
-
-    def __init__(self, variant, model_name, args, rt, comms):
-        import torch
-
-        import hpcdp
-        from ..torch.zoo import build_model
-        self.mode, self.bucket_mb, self.compression, self.algo = variant
-        self.overlap = self.as_view = None
-        self.rt = rt
-        self.ddp = None
-        self.native = comms["native"]
-        self.device = comms["device"]
-        self.model = build_model(model_name, seed=0).to(self.device)
-        self.params = list(self.model.parameters())
-        net = self.model
-        if self.bucket_mb is not None:
-            self.overlap = self.mode != "hpcdp-sync"
-            self.as_view = self.mode != "hpcdp-copy"
-            trace = None
-            if self.mode == "hpcdp-trace":
-                trace = os.path.join(comms["trace_dir"],
-                                     f"{model_name}-{self.compression or 'none'}-{self.bucket_mb:g}mb")
-            self.ddp = net = hpcdp.DistributedDataParallel(self.model, bucket_cap_mb=self.bucket_mb,
-                                                           overlap=self.overlap,
-                                                           compression=_compressor(self.compression),
-                                                           gradient_as_bucket_view=self.as_view,
-                                                           trace=trace, algo=self.algo)
-        elif self.mode == "ddp":
-            comms["gloo"]()
-            ids = None if self.device.type == "cpu" else [self.device]
-            net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
-            self.last_grad_t = 0.0
-            for p in self.params:
-                p.register_post_accumulate_grad_hook(self._stamp)
-        self.net = net
-        self.opt = self._optimizer(args)
-        self.active = self.mode != "single" or rt.rank == 0
-        self.counter = 0
-        self.times, self.exposed = [], []
-        self.bytes_before = None
-
-    def _optimizer(self, args):
-        """The run's optimizer; onebit's compressed-momentum twin (one exact warm-up step)."""
-        import torch
-
-        from ..optim import OneBitAdam, OneBitSGD
-        adam = args.optimizer == "adam"
-        if self.compression == "onebit":
-            if adam:
-                return OneBitAdam(self.net, lr=args.lr, warmup_steps=1, overlap=self.overlap)
-            return OneBitSGD(self.net, lr=args.lr, momentum=args.momentum, warmup_steps=1,
-                             overlap=self.overlap)
-        if adam:
-            return torch.optim.Adam(self.net.parameters(), lr=args.lr)
-        return torch.optim.SGD(self.net.parameters(), lr=args.lr, momentum=args.momentum)
-
-    def _stamp(self, _param) -> None:
-        self.last_grad_t = time.perf_counter()
-
-    def step(self, x, y, scale: float) -> float:
-        """One training step; returns its exposed communication time (s, see the module doc)."""
-        import torch
-        self.opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(self.net(x), y, reduction="sum") * scale
-        if self.ddp is not None:
-            waited = self.ddp.comm_stats["exposed_wait_ns"]
-            loss.backward()
-            exposed = (self.ddp.comm_stats["exposed_wait_ns"] - waited) * 1e-9
-        else:
-            loss.backward()
-            end = time.perf_counter()
-            if self.mode == "naive":
-                self._naive_allreduce()
-                exposed = time.perf_counter() - end
-            elif self.mode == "ddp":
-                exposed = end - self.last_grad_t
-            else:
-                exposed = 0.0
-        self.opt.step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()  # the step's time covers its kernels
-        return exposed
-
-    def _naive_allreduce(self) -> None:
-        """MPI_Allreduce of every gradient, then the division; GPU gradients go to MPI
-        directly where it is CUDA-aware, else through a host copy."""
-        import torch
-        MPI = self.rt.MPI
-        for p in self.params:
-            if p.grad.is_cuda and not self.rt.cuda_aware:
-                host = p.grad.cpu()
-                self.native.Allreduce(MPI.IN_PLACE, host.numpy(), op=MPI.SUM)
-                p.grad.copy_(host)
-            else:
-                if p.grad.is_cuda:
-                    torch.cuda.current_stream().synchronize()
-                buf = p.grad if p.grad.is_cuda else p.grad.numpy()
-                self.native.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
-            p.grad.div_(self.rt.size)
-
-    def bytes_sent(self):
-        if self.mode == "single":
-            return 0
-        if self.ddp is not None:
-            return self.ddp.comm_stats["bytes_sent"]
-        return None
-
-
-def _compressor(name):
-    """The DDP's compression: names as given; powersgd compressing from its second step
-    (the first re-lays the buckets out, which restarts their state)."""
-    if name is None or not name.startswith("powersgd"):
-        return name
-    from ..compress import PowerSGD, get_compressor
-    return PowerSGD(get_compressor(name).rank, start_steps=2)
 
 
 def _sleep_until_all_arrive(comm) -> None:
@@ -394,8 +276,17 @@ def _bench_model(model_name, variants, compressions, algos, args, rt, comms) -> 
     """Time every variant on ``model_name``; rank 0 prints a record per variant and a summary."""
     import hpcdp
     bench = _Bench(model_name, args, rt, comms)
+    import torch
+
+    from ..torch.zoo import build_model
+
+    def build():
+        return build_model(model_name, seed=0)
+
+    def loss_fn(out, y):
+        return torch.nn.functional.cross_entropy(out, y, reduction="sum")
     try:
-        runners = [_Runner(v, model_name, args, rt, comms) for v in variants]
+        runners = [Runner(v, build, loss_fn, args, rt, comms, trace_name=model_name) for v in variants]
     except ValueError as exc:  # the wrapper's argument errors: raised on every rank alike
         if rt.rank == 0:
             print(f"hpcdp-bench train: {exc}", file=sys.stderr)

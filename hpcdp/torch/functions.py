@@ -191,19 +191,25 @@ def _tensor_digest(t: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def check_replicas(module: torch.nn.Module) -> str:
+def check_replicas(module: torch.nn.Module, buffers: bool = True) -> str:
     """Check that every rank holds bit-identical parameters and buffers.
 
     Returns the model's digest (hex) when they agree; otherwise raises
     :class:`ReplicaMismatchError` on every rank naming the ranks that differ
-    from rank 0 and the first tensor that differs.
+    from rank 0 and the first tensor that differs. ``buffers=False`` checks the
+    parameters only: after a training forward, BatchNorm's running statistics
+    are each rank's own (``DistributedDataParallel(broadcast_buffers=True)``
+    copies rank 0's before the next forward, as torch DDP does).
     """
     rt = _runtime("check_replicas()")
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"check_replicas expects a torch.nn.Module, got {type(module).__name__}")
-    names = ([f"parameter {n!r}" for n, _ in module.named_parameters()]
-             + [f"buffer {n!r}" for n, _ in module.named_buffers()])
-    tensors = [t for _, t in module.named_parameters()] + [t for _, t in module.named_buffers()]
+    named = list(module.named_parameters())
+    names = [f"parameter {n!r}" for n, _ in named]
+    tensors = [t for _, t in named]
+    if buffers:
+        names += [f"buffer {n!r}" for n, _ in module.named_buffers()]
+        tensors += [t for _, t in module.named_buffers()]
     digests = [_tensor_digest(t) for t in tensors]
     total = hashlib.sha256(repr(names).encode() + b"".join(digests)).hexdigest()
     if rt.size == 1:

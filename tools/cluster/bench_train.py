@@ -1,9 +1,10 @@
-"""``hpcdp-bench train`` across the emulated nodes of tools/cluster (one rank per node, or
-``--ranks-per-node K`` placed ``--placement block|cyclic``).
+"""``hpcdp-bench train`` (or ``--bench synthetic``: ``hpcdp-bench synthetic``) across the
+emulated nodes of tools/cluster (one rank per node, or ``--ranks-per-node K`` placed
+``--placement block|cyclic``).
 
 For each rate in ``--rates`` it shapes every node's link (``up.sh --rate``), runs one
 batch job ``srun --mpi=pmi2 -N N -n N*K --distribution=PLACEMENT python -m hpcdp.cli.bench
-train BENCH_ARGS`` (the arguments after ``--``), reads the tc byte counters of every node
+BENCH BENCH_ARGS`` (the arguments after ``--``), reads the tc byte counters of every node
 before and after, and appends to ``--out`` (JSON lines) every record the benchmark printed,
 with ``rate``, ``nodes``, ``ranks_per_node`` and ``placement`` added, then one check record::
 
@@ -11,11 +12,12 @@ with ``rate``, ``nodes``, ``ranks_per_node`` and ``placement`` added, then one c
      "placement": "block", "tc_bytes": {"node1": .., "node2": ..}, "min_link_bytes": ..,
      "wall_s": .., "job_rc": 0}
 
-``min_link_bytes`` is what each node must at least have sent through its shaped
-link if every mode's traffic crossed it: per mode, (warm-up + timed steps) times
-``bytes_sent_per_step`` (hpcdp's own counters) or, where the transport does not tell
-(naive, ddp), the float32 gradient bytes times 2(n-1)/n (the least any allreduce
-sends per rank). Headers, the parameter broadcasts and the replica checks only add
+(``synthetic-cluster`` for the synthetic benchmark.) ``min_link_bytes`` is what each node
+must at least have sent through its shaped link if every mode's traffic crossed it: per
+mode, its steps (warm-up included) times ``bytes_sent_per_step`` (hpcdp's own counters)
+or, where the transport does not tell (naive, fp32 ddp), the float32 gradient bytes
+times 2(n-1)/n (the least any allreduce sends per rank; ddp with a compression hook
+counts nothing). Headers, the parameter broadcasts and the replica checks only add
 to the real figure. A node below it means some traffic took a shortcut (shared
 memory, loopback): the runner then exits 1, as it does when the job fails.
 
@@ -50,7 +52,9 @@ REPO = harness.REPO_ROOT
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="tools/cluster/bench_train.py", description=__doc__.split("\n\n")[0],
-                                 epilog="Arguments after -- go to hpcdp-bench train.")
+                                 epilog="Arguments after -- go to the hpcdp-bench subcommand.")
+    ap.add_argument("--bench", default="train", choices=["train", "synthetic"],
+                    help="the hpcdp-bench subcommand to run (default: train)")
     ap.add_argument("--rates", default="2gbit,1gbit", help="comma-separated tbf rates per node (or none)")
     ap.add_argument("--nodes", type=int, default=2, help="nodes")
     ap.add_argument("--ranks-per-node", type=int, default=1, help="ranks on each node")
@@ -67,7 +71,7 @@ def parse_args(argv):
         i = own.index(sep)
         own, bench = own[:i], own[i + 1:]
     args = ap.parse_args(own)
-    args.bench = bench
+    args.bench_name, args.bench = args.bench, bench
     bad = [kv for kv in args.env if "=" not in kv]
     if bad:
         ap.error(f"--env takes K=V, got {bad[0]!r}")
@@ -76,7 +80,7 @@ def parse_args(argv):
 
 def job_script(args) -> str:
     n, k = args.nodes, args.ranks_per_node
-    cmd = [args.python, "-m", "hpcdp.cli.bench", "train", *args.bench]
+    cmd = [args.python, "-m", "hpcdp.cli.bench", args.bench_name, *args.bench]
     return "\n".join([
         "#!/bin/bash",
         f"#SBATCH -N {n} -n {n * k} --ntasks-per-node={k} --time={math.ceil(args.timeout / 60) + 1}",
@@ -89,17 +93,30 @@ def job_script(args) -> str:
     ])
 
 
+def _parameters(model: str) -> int:
+    from hpcdp import models
+    from hpcdp.torch.zoo import parameter_count
+    if model in models.MODELS:
+        return sum(p.numel() for p in models.build_model(model).parameters())
+    return parameter_count(model)
+
+
+def _steps(r) -> int:
+    if r["bench"] == "synthetic":
+        return r["num_iters"] * r["num_batches_per_iter"] + r["num_warmup_batches"]
+    return r["steps"] + r["warmup"]
+
+
 def min_link_bytes(records, nodes: int) -> float:
     """Least bytes each node must have sent through its link for the records' steps."""
-    from hpcdp.torch.zoo import parameter_count
     total = 0.0
     for r in records:
-        if r["mode"] == "single":
+        if r["mode"] in ("single", "local") or (r["mode"] == "ddp" and r["compression"] is not None):
             continue
         per_step = r["bytes_sent_per_step"]
         if per_step is None:
-            per_step = 4 * parameter_count(r["model"]) * 2 * (nodes - 1) / nodes
-        total += per_step * (r["steps"] + r["warmup"])
+            per_step = 4 * _parameters(r["model"]) * 2 * (nodes - 1) / nodes
+        total += per_step * _steps(r)
     return total
 
 
@@ -140,9 +157,9 @@ def main(argv=None) -> int:
                     rec.update(rate=rate, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
                                placement=args.placement)
                     recs.append(rec)
-            train = [r for r in recs if r["bench"] == "train"]
+            train = [r for r in recs if r["bench"] == args.bench_name]
             need = min_link_bytes(train, args.nodes)
-            check = {"bench": "train-cluster", "rate": rate, "nodes": args.nodes,
+            check = {"bench": f"{args.bench_name}-cluster", "rate": rate, "nodes": args.nodes,
                      "ranks_per_node": args.ranks_per_node, "placement": args.placement, "tc_bytes": sent,
                      "min_link_bytes": need, "wall_s": round(wall, 1), "job_rc": rc,
                      "bench_args": args.bench}
@@ -153,7 +170,7 @@ def main(argv=None) -> int:
             short = [n for n, b in sent.items() if b < need]
             if rc != 0 or not train or short:
                 failed = True
-                why = (f"job exit code {rc}" if rc != 0 else "no train records" if not train else
+                why = (f"job exit code {rc}" if rc != 0 else f"no {args.bench_name} records" if not train else
                        f"{', '.join(short)} sent less than {need:,.0f} bytes through the shaped link: {sent}")
                 print(f"bench_train.py: rate {rate}: {why}\n--- job output (tail)\n{text[-6000:]}",
                       file=sys.stderr)
