@@ -1,6 +1,7 @@
 """The benchmark summarisers: tools/bench/rounds.py (one-node rounds against the bounds),
 tools/cluster/rounds.py (cluster rounds against the flat ring and native MPI) and
-tools/bench/validate_model.py (the cost model beside the measurements)."""
+tools/bench/validate_model.py (the cost model beside the measurements), and the least
+link bytes tools/cluster/bench_train.py expects of a job's records."""
 import importlib.util
 import dataclasses
 import json
@@ -22,6 +23,7 @@ def _load(rel):
 bench_rounds = _load("tools/bench/rounds.py")
 cluster_rounds = _load("tools/cluster/rounds.py")
 validate = _load("tools/bench/validate_model.py")
+cluster_train = _load("tools/cluster/bench_train.py")
 
 
 def _line(nbytes, ratio, rnd, np_=2, mpi="MPICH", algo="shm"):
@@ -86,3 +88,20 @@ def test_rates_are_read_as_tc_writes_them():
     assert validate.rate_bytes("1gbit") == 125e6 and validate.rate_bytes("500mbit") == 62.5e6
     with pytest.raises(ValueError, match="unknown rate"):
         validate.rate_bytes("fast")
+
+
+def test_least_link_bytes_count_every_communicating_mode_and_step():
+    """train: (steps + warm-up) x bytes per step; synthetic: (iterations x batches + warm-up);
+    fp32 ddp (no counter) the float32 gradients x 2(n-1)/n; local, single and compressed
+    torch DDP (torch's hook moves an unknown share) count nothing."""
+    synth = dict(bench="synthetic", model="resnet18", num_iters=3, num_batches_per_iter=2,
+                 num_warmup_batches=4)
+    records = [dict(synth, mode="hpcdp", compression=None, bytes_sent_per_step=1000.0),
+               dict(synth, mode="ddp", compression=None, bytes_sent_per_step=None),
+               dict(synth, mode="ddp", compression="powersgd:4", bytes_sent_per_step=None),
+               dict(synth, mode="local", compression=None, bytes_sent_per_step=0)]
+    assert cluster_train.min_link_bytes(records, 2) == 10 * 1000 + 10 * 4 * 11_689_512
+    train = [dict(bench="train", model="mlp-small", mode=m, compression=None, steps=5, warmup=1,
+                  bytes_sent_per_step=b) for m, b in (("single", 0), ("hpcdp", 10.0), ("naive", None))]
+    from hpcdp.torch.zoo import parameter_count
+    assert cluster_train.min_link_bytes(train, 4) == 6 * 10 + 6 * 4 * parameter_count("mlp-small") * 1.5

@@ -52,9 +52,48 @@ def _register_torch_hook(net, name: str) -> None:
         state = powerSGD_hook.PowerSGDState(process_group=None,
                                             matrix_approximation_rank=get_compressor(name).rank,
                                             start_powerSGD_iter=_POWERSGD_START)
-        net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        net.register_comm_hook(state, _one_bucket_at_a_time(powerSGD_hook.powerSGD_hook))
     else:
         raise ValueError(f"torch DDP has no comm hook for compression {name!r}")
+
+
+def _one_bucket_at_a_time(hook):
+    """``hook`` with each bucket's future chain started once the previous bucket's is done.
+
+    torch's ``powerSGD_hook`` starts its P and Q allreduces from future callbacks, so on
+    gloo two buckets' collectives can reach the process group in different orders on
+    different ranks (seen on the emulated cluster: gloo's "Received data size doesn't
+    match expected size", then an abort). Chained, every rank issues them in bucket order.
+    """
+    import torch
+    last = [None]
+
+    def hook_in_order(state, bucket):
+        out = torch.futures.Future()
+
+        def start(_previous=None):
+            try:
+                inner = hook(state, bucket)
+            except Exception as exc:  # noqa: BLE001 (handed to DDP through the future)
+                out.set_exception(exc)
+                return
+            inner.add_done_callback(lambda f: _forward(f, out))
+
+        previous, last[0] = last[0], out
+        if previous is None or previous.done():
+            start()
+        else:
+            previous.add_done_callback(start)
+        return out
+
+    return hook_in_order
+
+
+def _forward(done, out) -> None:
+    try:
+        out.set_result(done.value())
+    except Exception as exc:  # noqa: BLE001
+        out.set_exception(exc)
 
 
 class Runner:

@@ -44,6 +44,7 @@ FORMATS = {
     "ratios": lambda v: " ".join(f"{x:.2f}" for x in v),
     "pct": lambda v: f"{v * 100:+.0f} %",
     "mb": lambda v: f"{v / 1e6:.1f}",
+    "num1": lambda v: f"{v:.1f}",
 }
 
 _TRAIN_COLUMNS = [("model", "model", "str"), ("mode", "mode", "str"), ("compression", "compression", "str"),
@@ -58,6 +59,33 @@ _POINT_COLUMNS = [("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "i
 _CLUSTER_DDP = ("python tools/cluster/bench_train.py --rates 1gbit --nodes 2 --ranks-per-node 2 "
                 "--placement block --out docs/results/cluster-ddp.jsonl -- --model mlp-large "
                 "--global-batch 1024 --modes hpcdp --algos ring,auto --bucket-sweep ''")
+
+
+_SYNTHETIC_COLUMNS = [("model", "model", "str"), ("mode", "mode", "str"), ("compression", "compression", "str"),
+                      ("ranks", "np", "int"), ("throughput", "throughput", "num1"), ("+-", "throughput_conf", "num1"),
+                      ("unit", "unit", "str"), ("/ ddp", "ratio_to_ddp", "ratio"),
+                      ("scaling eff.", "scaling_efficiency", "ratio"), ("exposed comm (ms)", "exposed_comm_s", "ms"),
+                      ("sent per step (MB)", "bytes_sent_per_step", "mb")]
+_SYNTHETIC = ("(mpirun -np 2 hpcdp-bench synthetic --model resnet50 --image-size 64 --batch-size 32 "
+              "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10; "
+              "mpirun -np 2 hpcdp-bench synthetic --model gpt2-mini --batch-size 4 --seq-len 128 "
+              "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10) "
+              "| grep '^{' > docs/results/synthetic.jsonl")
+_CLUSTER_SYNTHETIC = ("R='python tools/cluster/bench_train.py --bench synthetic --rates 2gbit "
+                      "--out docs/results/cluster-synthetic.jsonl --'; "
+                      "for b in 16 4; do $R --model resnet50 --image-size 64 --batch-size $b "
+                      "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 6 "
+                      "--modes hpcdp,hpcdp-sync,ddp,local --compression none,onebit,powersgd:4; done; "
+                      "$R --model gpt2-small --batch-size 2 --seq-len 128 --num-warmup-batches 3 "
+                      "--num-batches-per-iter 2 --num-iters 3 --modes hpcdp,ddp "
+                      "--compression none,onebit,powersgd:4")
+
+
+def _get(record: dict, key: str):
+    """``record[key]``; ``a.b`` looks ``b`` up in the dict ``record[a]``."""
+    head, _, rest = key.partition(".")
+    value = record.get(head)
+    return value.get(rest) if rest and isinstance(value, dict) else value
 
 
 def _cell(value, fmt: str) -> str:
@@ -166,6 +194,19 @@ SPECS = {
                     ("difference", "diff", "diff"), ("unit", "unit", "str"), ("bound", "bound", "num"),
                     ("within", "within", "bool"), ("diverged runs", "diverged", "int")],
     },
+    "synthetic": {
+        "file": "synthetic.jsonl",
+        "command": _SYNTHETIC,
+        "where": {"bench": "synthetic"},
+        "columns": _SYNTHETIC_COLUMNS,
+    },
+    "cluster-synthetic": {
+        "file": "cluster-synthetic.jsonl",
+        "command": _CLUSTER_SYNTHETIC,
+        "where": {"bench": "synthetic"},
+        "columns": [("link", "rate", "str"), ("batch", "batch_size", "int")] + _SYNTHETIC_COLUMNS + [
+            ("/ ddp+powersgd:4", "ratio_to.ddp+powersgd:4", "ratio")],
+    },
     "compress-kernels": {
         "file": "compress.jsonl",
         "command": "hpcdp-bench compress > docs/results/compress.jsonl",
@@ -198,7 +239,7 @@ def render(name: str, results: Path) -> str:
     rows = records(spec, results)
     head = "| " + " | ".join(h for h, _, _ in spec["columns"]) + " |"
     rule = "|" + "|".join("---" for _ in spec["columns"]) + "|"
-    body = ["| " + " | ".join(_cell(r.get(k), f) for _, k, f in spec["columns"]) + " |" for r in rows]
+    body = ["| " + " | ".join(_cell(_get(r, k), f) for _, k, f in spec["columns"]) + " |" for r in rows]
     mpis = sorted({r["mpi"] for r in rows if "mpi" in r})
     sources = sorted({r["source"] for r in rows if "source" in r})
     lines = [f"Generated from `docs/results/{spec['file']}`, written by:", "", "```bash",
