@@ -17,12 +17,27 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["HPCDP_MODES", "TORCH_HOOKS", "Runner", "hpcdp_compressor", "has_torch_hook"]
+__all__ = ["HPCDP_MODES", "TORCH_HOOKS", "NO_CUDA", "Runner", "compression_list", "hpcdp_compressor",
+           "has_torch_hook"]
 
 HPCDP_MODES = ("hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace")
 TORCH_HOOKS = ("fp16", "bf16", "powersgd")
 # torch's PowerSGD needs error feedback's first two iterations exact; hpcdp's starts alike
 _POWERSGD_START = 2
+NO_CUDA = "--device cuda, but this process sees no CUDA device (no GPU, or a CPU-only torch build)"
+
+
+def compression_list(text: str):
+    """``--compression`` as a list (None for ``none``), or an error message."""
+    from ..compress.registry import get_compressor
+    names = [t.strip() for t in text.split(",") if t.strip()] or ["none"]
+    try:
+        [get_compressor(c) for c in names]
+    except ValueError as exc:
+        return f"--compression: {exc}"
+    if len(set(names)) != len(names):
+        return f"--compression takes distinct names, got {text!r}"
+    return [None if c == "none" else c for c in names]
 
 
 def has_torch_hook(compression) -> bool:

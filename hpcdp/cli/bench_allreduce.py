@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from ._gloo import gloo_group
+from ._runners import NO_CUDA
 
 
 def _sizes(spec: str) -> list[int]:
@@ -199,8 +200,7 @@ def main(argv=None) -> int:
     rt = runtime()
     if args.device == "cuda" and not rt.cuda:
         if rt.rank == 0:
-            print("hpcdp-bench allreduce: --device cuda, but this process sees no CUDA device "
-                  "(no GPU, or a CPU-only torch build)", file=sys.stderr)
+            print(f"hpcdp-bench allreduce: {NO_CUDA}", file=sys.stderr)
         return 2
     dist = gloo_group(rt) if args.gloo else None
     check = not args.no_check

@@ -54,7 +54,7 @@ import statistics
 import sys
 import time
 
-from ._runners import HPCDP_MODES, Runner, has_torch_hook
+from ._runners import HPCDP_MODES, NO_CUDA, Runner, compression_list, has_torch_hook
 
 _MODES = ("hpcdp", "hpcdp-sync", "ddp", "local")
 
@@ -206,26 +206,19 @@ def _record(bench, r, runners, after) -> dict:
 
 def _check(args):
     """``(modes, compressions)`` or an error message."""
-    from ..compress.registry import get_compressor
     from ..models import MODELS
     modes = _csv(args.modes)
-    comps = _csv(args.compression) or ["none"]
-    if args.fp16_allreduce:
-        comps = ["fp16"]
+    comps = compression_list("fp16" if args.fp16_allreduce else args.compression)
     if args.model not in MODELS:
         return f"unknown model {args.model!r}; choose from {', '.join(MODELS)}"
     bad = [m for m in modes if m not in _MODES]
     if bad or not modes:
         return f"--modes takes names from {', '.join(_MODES)}, got {args.modes!r}"
-    try:
-        [get_compressor(c) for c in comps]
-    except ValueError as exc:
-        return f"--compression: {exc}"
-    if len(set(comps)) != len(comps):
-        return f"--compression takes distinct names, got {args.compression!r}"
+    if isinstance(comps, str):
+        return comps
     if min(args.batch_size, args.num_batches_per_iter, args.num_iters) < 1 or args.num_warmup_batches < 0:
         return "--batch-size, --num-batches-per-iter and --num-iters must be >= 1, warm-up >= 0"
-    return modes, [None if c == "none" else c for c in comps]
+    return modes, comps
 
 
 def main(argv=None) -> int:
@@ -247,8 +240,7 @@ def main(argv=None) -> int:
     rt = runtime()
     if args.device == "cuda" and not rt.cuda:
         if rt.rank == 0:
-            print("hpcdp-bench synthetic: --device cuda, but this process sees no CUDA device (no "
-                  "GPU, or a CPU-only torch build)", file=sys.stderr)
+            print(f"hpcdp-bench synthetic: {NO_CUDA}", file=sys.stderr)
         return 2
     native = rt.comm.Dup()
     comms = {"native": native, "gloo": lambda: gloo_group(rt), "trace_dir": None,

@@ -83,7 +83,7 @@ import tempfile
 import time
 
 from ._runners import HPCDP_MODES as _HPCDP_MODES
-from ._runners import Runner
+from ._runners import NO_CUDA, Runner, compression_list
 
 _DEFAULT_STEPS = {"mlp-small": (40, 5), "mlp-medium": (20, 3), "mlp-large": (12, 2),
                   "mlp-xlarge": (8, 2), "digits": (100, 10)}
@@ -311,19 +311,14 @@ def _lists(args):
     """``(models, modes, compressions, algorithms, bucket sweep)`` from the comma-separated
     options, or an error message."""
     from ..collectives import ALGOS
-    from ..compress.registry import get_compressor
     from ..torch.zoo import MODELS
     models, modes = _csv(args.model), _csv(args.modes)
-    comp_names = _csv(args.compression) or ["none"]
     bad = [m for m in models if m not in MODELS] + [m for m in modes if m not in _MODES]
     if bad:
         return f"unknown model or mode: {', '.join(bad)}"
-    try:
-        [get_compressor(c) for c in comp_names]
-    except ValueError as exc:
-        return f"--compression: {exc}"
-    if len(set(comp_names)) != len(comp_names):
-        return f"--compression takes distinct names, got {args.compression!r}"
+    comps = compression_list(args.compression)
+    if isinstance(comps, str):
+        return comps
     algos = _csv(args.algos)
     bad = [a for a in algos if a != "auto" and a not in ALGOS]
     if bad or len(set(algos)) != len(algos):
@@ -332,7 +327,7 @@ def _lists(args):
         sweep = [float(v) for v in _csv(args.bucket_sweep)]
     except ValueError:
         return f"--bucket-sweep must be numbers, got {args.bucket_sweep!r}"
-    return models, modes, [None if c == "none" else c for c in comp_names], algos or [None], sweep
+    return models, modes, comps, algos or [None], sweep
 
 
 def _runtime_for(args):
@@ -347,8 +342,7 @@ def _runtime_for(args):
     if args.global_batch < rt.size:
         return rt, f"--global-batch {args.global_batch} < {rt.size} ranks"
     if args.device == "cuda" and not rt.cuda:
-        return rt, ("--device cuda, but this process sees no CUDA device (no GPU, or a CPU-only "
-                    "torch build)")
+        return rt, NO_CUDA
     return rt, None
 
 
