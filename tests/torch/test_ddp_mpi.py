@@ -589,3 +589,19 @@ def test_a_layout_for_another_model_is_refused(world):
     ddp = hpcdp.DistributedDataParallel(_mlp())
     with pytest.raises(ValueError, match="saved bucket layout orders 3 parameters, this model has 6"):
         ddp.reducer.load_layout_state({"order": [2, 1, 0], "relaid_out": True})
+
+
+def test_check_replicas_without_buffers_ignores_each_ranks_batchnorm_statistics(world):
+    """After a training forward on each rank's own batch, the running statistics differ
+    (at np > 1): the full check names the buffer on every rank; ``buffers=False`` passes."""
+    rank, size = world.Get_rank(), world.Get_size()
+    torch.manual_seed(0)
+    ddp = hpcdp.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)))
+    ddp(torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    params_only = hpcdp.check_replicas(ddp.module, buffers=False)
+    _gather_equal(world, params_only)
+    if size == 1:
+        assert hpcdp.check_replicas(ddp.module) != params_only  # the buffers are in the digest
+        return
+    with pytest.raises(ReplicaMismatchError, match="buffer '1.running_mean'"):
+        hpcdp.check_replicas(ddp.module)
