@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["HPCDP_MODES", "TORCH_HOOKS", "NO_CUDA", "Runner", "compression_list", "hpcdp_compressor",
-           "has_torch_hook"]
+__all__ = ["HPCDP_MODES", "TORCH_HOOKS", "NO_CUDA", "Runner", "close", "compression_list", "csv_list",
+           "hpcdp_compressor", "has_torch_hook"]
 
 HPCDP_MODES = ("hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace")
 TORCH_HOOKS = ("fp16", "bf16", "powersgd")
@@ -27,10 +27,15 @@ _POWERSGD_START = 2
 NO_CUDA = "--device cuda, but this process sees no CUDA device (no GPU, or a CPU-only torch build)"
 
 
+def csv_list(text: str) -> list[str]:
+    """A comma-separated option's non-empty entries."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 def compression_list(text: str):
     """``--compression`` as a list (None for ``none``), or an error message."""
     from ..compress.registry import get_compressor
-    names = [t.strip() for t in text.split(",") if t.strip()] or ["none"]
+    names = csv_list(text) or ["none"]
     try:
         [get_compressor(c) for c in names]
     except ValueError as exc:
@@ -227,3 +232,11 @@ class Runner:
         if self.ddp is not None:
             return self.ddp.comm_stats["bytes_sent"]
         return None
+
+
+def close(native) -> None:
+    """End of a benchmark: the gloo group if one was made, and the control communicator."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    native.Free()

@@ -49,18 +49,16 @@ and ``bytes_sent_per_step`` (rank 0's, hpcdp only) as in ``hpcdp-bench train``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
 import time
+import types
 
-from ._runners import HPCDP_MODES, NO_CUDA, Runner, compression_list, has_torch_hook
+from ._runners import HPCDP_MODES, NO_CUDA, Runner, close, compression_list, csv_list, has_torch_hook
 
 _MODES = ("hpcdp", "hpcdp-sync", "ddp", "local")
-
-
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,12 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _variants(modes, compressions):
+def _variants(modes, compressions, bucket_mb):
     """``(mode, bucket MiB or None, compression or None, algo None)`` per runner, in run order."""
     out = []
     for m in modes:
         if m in HPCDP_MODES:
-            out += [(m, 25.0, c, None) for c in compressions]
+            out += [(m, bucket_mb, c, None) for c in compressions]
         elif m == "ddp":
             out += [(m, None, c, None) for c in compressions if has_torch_hook(c)]
         else:
@@ -124,10 +122,9 @@ class _Bench:
         self.batch = (x.to(comms["device"]), y.to(comms["device"]))
         self.per_batch = args.batch_size * (args.seq_len if self.lm else 1)
         self.unit = "tokens/s" if self.lm else "img/s"
-
-    def build(self):
-        from ..models import build_model
-        return build_model(self.args.model, seed=0)
+        # Horovod's optimizer: SGD at the learning rate x ranks (what every runner reads)
+        self.optimizer = types.SimpleNamespace(optimizer="sgd", lr=args.lr * rt.size, momentum=args.momentum)
+        self.build = functools.partial(models.build_model, args.model, seed=0)
 
     def run(self, r, n: int, record: bool) -> None:
         """``n`` steps of ``r``, started together on every rank; the iteration's time and
@@ -195,7 +192,7 @@ def _record(bench, r, runners, after) -> dict:
            "bytes_sent_per_step": None if after is None else (after - r.bytes_before) / steps,
            "batch_size": a.batch_size, "num_iters": a.num_iters,
            "num_batches_per_iter": a.num_batches_per_iter, "num_warmup_batches": a.num_warmup_batches,
-           "device": a.device, "threads": a.threads, "mpi": bench.rt.vendor, "lr": a.lr * size,
+           "device": a.device, "threads": a.threads, "mpi": bench.rt.vendor, "lr": bench.optimizer.lr,
            "momentum": a.momentum}
     rec["seq_len" if bench.lm else "image_size"] = a.seq_len if bench.lm else a.image_size
     if r.bucket_mb is not None:
@@ -207,7 +204,7 @@ def _record(bench, r, runners, after) -> dict:
 def _check(args):
     """``(modes, compressions)`` or an error message."""
     from ..models import MODELS
-    modes = _csv(args.modes)
+    modes = csv_list(args.modes)
     comps = compression_list("fp16" if args.fp16_allreduce else args.compression)
     if args.model not in MODELS:
         return f"unknown model {args.model!r}; choose from {', '.join(MODELS)}"
@@ -251,12 +248,10 @@ def main(argv=None) -> int:
         if rt.rank == 0:
             print(f"hpcdp-bench synthetic: {exc}", file=sys.stderr)
         return 2
-    if rt.rank == 0:
-        dev = "GPU" if args.device == "cuda" else "CPU"
-        print(f"Model: {args.model}\nBatch size: {args.batch_size}\nNumber of {dev}s: {rt.size}",
-              flush=True)
-    runners = [Runner(v, bench.build, models.loss, _ScaledLr(args, rt.size), rt, comms)
-               for v in _variants(modes, compressions)]
+    dev = "GPU" if args.device == "cuda" else "CPU"
+    _log(rt, f"Model: {args.model}\nBatch size: {args.batch_size}\nNumber of {dev}s: {rt.size}")
+    runners = [Runner(v, bench.build, models.loss, bench.optimizer, rt, comms)
+               for v in _variants(modes, compressions, args.bucket_mb)]
     _log(rt, "Running warmup...")
     bench.warm_up(runners)
     _log(rt, "Running benchmark...")
@@ -270,23 +265,13 @@ def main(argv=None) -> int:
         if rt.rank == 0:
             print("\n".join(_horovod_lines(bench, r)), flush=True)
             print(json.dumps(_record(bench, r, runners, after)), flush=True)
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    native.Free()
+    close(native)
     return 0
 
 
 def _log(rt, text: str) -> None:
     if rt.rank == 0:
         print(text, flush=True)
-
-
-class _ScaledLr:
-    """The optimizer settings a runner reads, with Horovod's learning rate x ranks."""
-
-    def __init__(self, args, size: int):
-        self.optimizer, self.lr, self.momentum = "sgd", args.lr * size, args.momentum
 
 
 if __name__ == "__main__":

@@ -75,6 +75,7 @@ the median over rounds of the ratio of the two steps of the same round
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -83,15 +84,11 @@ import tempfile
 import time
 
 from ._runners import HPCDP_MODES as _HPCDP_MODES
-from ._runners import NO_CUDA, Runner, compression_list
+from ._runners import NO_CUDA, Runner, close, compression_list, csv_list
 
 _DEFAULT_STEPS = {"mlp-small": (40, 5), "mlp-medium": (20, 3), "mlp-large": (12, 2),
                   "mlp-xlarge": (8, 2), "digits": (100, 10)}
 _MODES = ("single", "naive", "hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace", "ddp")
-
-
-def _csv(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,17 +271,13 @@ class _Bench:
 
 def _bench_model(model_name, variants, compressions, algos, args, rt, comms) -> bool:
     """Time every variant on ``model_name``; rank 0 prints a record per variant and a summary."""
-    import hpcdp
-    bench = _Bench(model_name, args, rt, comms)
     import torch
 
+    import hpcdp
     from ..torch.zoo import build_model
-
-    def build():
-        return build_model(model_name, seed=0)
-
-    def loss_fn(out, y):
-        return torch.nn.functional.cross_entropy(out, y, reduction="sum")
+    bench = _Bench(model_name, args, rt, comms)
+    build = functools.partial(build_model, model_name, seed=0)
+    loss_fn = functools.partial(torch.nn.functional.cross_entropy, reduction="sum")
     try:
         runners = [Runner(v, build, loss_fn, args, rt, comms, trace_name=model_name) for v in variants]
     except ValueError as exc:  # the wrapper's argument errors: raised on every rank alike
@@ -312,19 +305,19 @@ def _lists(args):
     options, or an error message."""
     from ..collectives import ALGOS
     from ..torch.zoo import MODELS
-    models, modes = _csv(args.model), _csv(args.modes)
+    models, modes = csv_list(args.model), csv_list(args.modes)
     bad = [m for m in models if m not in MODELS] + [m for m in modes if m not in _MODES]
     if bad:
         return f"unknown model or mode: {', '.join(bad)}"
     comps = compression_list(args.compression)
     if isinstance(comps, str):
         return comps
-    algos = _csv(args.algos)
+    algos = csv_list(args.algos)
     bad = [a for a in algos if a != "auto" and a not in ALGOS]
     if bad or len(set(algos)) != len(algos):
         return (f"--algos takes distinct names of auto, {', '.join(ALGOS)}, got {args.algos!r}")
     try:
-        sweep = [float(v) for v in _csv(args.bucket_sweep)]
+        sweep = [float(v) for v in csv_list(args.bucket_sweep)]
     except ValueError:
         return f"--bucket-sweep must be numbers, got {args.bucket_sweep!r}"
     return models, modes, comps, algos or [None], sweep
@@ -375,15 +368,8 @@ def main(argv=None) -> int:
             native.Barrier()
             if rt.rank == 0:
                 shutil.rmtree(trace_dir, ignore_errors=True)
-    _close(native)
+    close(native)
     return 0 if ok else 2
-
-
-def _close(native) -> None:
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    native.Free()
 
 
 if __name__ == "__main__":

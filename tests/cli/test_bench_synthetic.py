@@ -83,8 +83,9 @@ def test_gpt2_compressions_pair_with_torchs_hooks():
     (none, fp16, powersgd; no onebit); tokens/s; fewer bytes when compressed (three warm-up
     steps: the buckets' re-layout after the first restarts powersgd's two exact ones)."""
     p = synthetic(2, "--model", "gpt2-mini", "--seq-len", "16", "--batch-size", "2", *SMALL,
-                  "--num-warmup-batches", "3",
-                  "--compression", "none,fp16,onebit,powersgd:2", "--modes", "hpcdp,ddp")
+                  "--num-warmup-batches", "3", "--bucket-mb", "10",
+                  "--compression", "none,fp16,onebit,powersgd:2", "--modes", "hpcdp,ddp",
+                  env={"HPCDP_ALGO": "ring"})  # every fp32 byte counted (shm sends none)
     blocks, recs = parse(p)
     assert [(r["mode"], r["compression"]) for r in recs] == [
         ("hpcdp", None), ("hpcdp", "fp16"), ("hpcdp", "onebit"), ("hpcdp", "powersgd:2"),
@@ -93,6 +94,7 @@ def test_gpt2_compressions_pair_with_torchs_hooks():
                            "ddp+powersgd:2"}
     for r in recs:
         assert r["unit"] == "tokens/s" and r["seq_len"] == 16 and r["scaling_efficiency"] is None
+        assert r.get("bucket_cap_mb") == (10.0 if r["mode"] == "hpcdp" else None)
         check_horovod_block(blocks[r["mode"] + (f"+{r['compression']}" if r["compression"] else "")],
                             "Tokens", "CPU", 2, 3, r["per_rank"])
         assert "ddp+powersgd:2" in r["ratio_to"] or (r["mode"], r["compression"]) == ("ddp", "powersgd:2")
