@@ -40,3 +40,12 @@ def __getattr__(name):
         import importlib
         return importlib.import_module(".optim", __name__)
     raise AttributeError(f"module 'hpcdp' has no attribute {name!r}")
+
+
+def _register_backend() -> None:
+    """The torch.distributed backend "hpcdp" (see hpcdp.dist), once torch is imported."""
+    from ._backend_hook import register_when_torch_loads
+    register_when_torch_loads()
+
+
+_register_backend()

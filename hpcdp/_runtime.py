@@ -292,7 +292,13 @@ def init(comm=None) -> None:
             _install_abort_hook(_rt)
         timeout = float(os.environ.get("HPCDP_STALL_TIMEOUT", "600"))
         if timeout > 0:
-            _rt.engine.start_watchdog(timeout, lambda msg: _abort(_rt, "stall", msg))
+            watch_stalls(_rt, timeout)
+
+
+def watch_stalls(rt: _Runtime, timeout: float, source: str = "HPCDP_STALL_TIMEOUT") -> None:
+    """Abort the job when an operation makes no progress for ``timeout`` s (the shorter
+    one where several are asked for; see :meth:`Engine.start_watchdog`)."""
+    rt.engine.start_watchdog(timeout, lambda msg: _abort(rt, "stall", msg), source)
 
 
 def is_initialized() -> bool:
@@ -377,8 +383,11 @@ def _say_before_abort(rt: _Runtime, text: str) -> None:
     """Write ``text`` (naming this rank) to stderr in time for the launcher to forward it:
     MPI_Abort kills every rank and the launcher's I/O forwarding with them, and a message
     still in the pipe is lost (seen once in CI: a stall abort whose job printed nothing)."""
-    sys.stderr.write(f"[hpcdp rank {rt.rank}/{rt.size} on {rt.hostname}] {text}")
-    sys.stderr.flush()
+    # (the process's own stderr: torch.distributed's excepthook calls ours with sys.stderr
+    # swapped for a StringIO, which the abort would lose)
+    err = sys.__stderr__ or sys.stderr
+    err.write(f"[hpcdp rank {rt.rank}/{rt.size} on {rt.hostname}] {text}")
+    err.flush()
     if rt.size > 1:
         time.sleep(0.5)
 

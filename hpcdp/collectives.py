@@ -47,10 +47,11 @@ _cfg = RingConfig(int(os.environ.get("HPCDP_SEGMENT_BYTES", 1 << 20)),
 
 # -- the cross-rank argument check --------------------------------------------------------
 def _check_gen(rt, ctx, what: str, kind: int, buf, op: int, extra: int):
-    """Generator: make sure every rank called ``what`` with the same arguments.
+    """Generator: make sure every rank of ``ctx.comm`` called ``what`` with the same arguments.
 
-    Every rank on one node: a flag round of the node's shared window carrying each rank's
-    (kind, length, dtype, op, extra); every rank then compares all of them. Otherwise:
+    Every rank of the job on one node (and ``ctx.comm`` the whole job): a flag round of the
+    node's shared window carrying each rank's (kind, length, dtype, op, extra); every rank
+    then compares all of them. Otherwise:
 
     1. reduce (kind, length, dtype, op, extra) and their negations with ``MPI_MAX`` in
        one ``MPI_Iallreduce`` (always nonblocking: MPI never matches a blocking
@@ -59,22 +60,24 @@ def _check_gen(rt, ctx, what: str, kind: int, buf, op: int, extra: int):
     2. every rank passed the same iff each max equals minus the max of the negation;
     3. otherwise gather what each rank passed.
 
-    A mismatch raises :class:`MismatchError` on every rank, naming what each passed. A
-    job of one rank has nobody to disagree with: no check.
+    A mismatch raises :class:`MismatchError` on every rank, naming what each passed
+    (:data:`DESCRIBE` words each kind of call). A communicator of one rank has nobody to
+    disagree with: no check.
     """
-    if rt.size == 1:
+    if ctx.size == 1:
         return
     mine = (kind, buf.n, buf.dtype.code, op, extra)
-    if rt.local_size == rt.size:
+    mismatch = functools.partial(_raise_mismatch, ctx.rank, what, buf)
+    if rt.local_size == rt.size == ctx.size:
         ctx.at("argument check (a flag round of the node's shared memory)")
-        yield from node_round(ctx, rt.node_window(), _signature(rt, what, buf, mine))
+        yield from node_round(ctx, rt.node_window(), (mine, mismatch))
         return
     ctx.at("argument check (native allreduce over all ranks)")
     sig = np.array(mine + tuple(-v for v in mine), dtype=np.int64)
     yield ctx.comm.Iallreduce(ctx.MPI.IN_PLACE, sig, ctx.MPI.MAX)
     if not np.array_equal(sig[:5], -sig[5:]):
         everyone = yield from allgather_gen(ctx.comm, ctx.MPI, mine)
-        _raise_mismatch(ctx.rank, what, buf, everyone)
+        mismatch(everyone)
 
 
 def _signature(rt, what: str, buf, mine: tuple):
@@ -87,14 +90,27 @@ def _allreduce_extra(comp, algo: str) -> int:
     return code(comp) | ALGOS.index(algo) << _ALGO_SHIFT
 
 
+def _describe_allreduce(fields) -> str:
+    _, n, dtype, op, extra = fields
+    algo = extra >> _ALGO_SHIFT
+    return (f"allreduce of {n} elements of {dtype_from_code(dtype)}, op={_OP_NAMES.get(op, op)}, "
+            f"compression={code_name(extra & ((1 << _ALGO_SHIFT) - 1))}, "
+            f"algo={ALGOS[algo] if algo < len(ALGOS) else algo}")
+
+
+def _describe_broadcast(fields) -> str:
+    _, n, dtype, _, root = fields
+    return f"broadcast of {n} elements of {dtype_from_code(dtype)}, root={root}"
+
+
+#: the argument check's words for each kind of call, from its (kind, length, dtype code, op,
+#: extra) fields (:mod:`hpcdp.dist` adds torch.distributed's collectives)
+DESCRIBE = {_ALLREDUCE: _describe_allreduce, _BROADCAST: _describe_broadcast}
+
+
 def _describe(fields) -> str:
-    kind, n, dtype, op, extra = fields
-    if kind == _ALLREDUCE:
-        algo = extra >> _ALGO_SHIFT
-        tail = (f", op={_OP_NAMES.get(op, op)}, compression={code_name(extra & ((1 << _ALGO_SHIFT) - 1))}"
-                f", algo={ALGOS[algo] if algo < len(ALGOS) else algo}")
-        return f"allreduce of {n} elements of {dtype_from_code(dtype)}{tail}"
-    return f"broadcast of {n} elements of {dtype_from_code(dtype)}, root={extra}"
+    words = DESCRIBE.get(fields[0])
+    return words(fields) if words is not None else f"a call of kind {fields[0]} with {fields[1:]}"
 
 
 def _raise_mismatch(rank: int, what: str, buf, everyone: list) -> None:

@@ -23,6 +23,7 @@ thread (no hand-off latency); otherwise it queues behind the pending work.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import threading
 import time
@@ -87,8 +88,10 @@ class Engine:
         self._running: Handle | None = None    # op currently being driven
         self._waiters = 0                       # callers blocked in wait()
         self._seq = 0
+        self._tags = itertools.count()
         self._thread = None
         self._closed = False
+        self._stall = None                     # (timeout_s, where it was set) once watched
         self.last_progress = monotonic()
         # wait by testing requests and yielding the core between tests, instead of
         # inside MPI (see hpcdp.comm.waiting: more ranks than cores, an MPI that spins)
@@ -153,8 +156,16 @@ class Engine:
             raise h._error
         return h.result
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called (``hpcdp.finalize()``)."""
+        return self._closed
+
     def next_tag(self) -> int:
-        return self._seq % 32000 + 1
+        """The tag of the next operation on the runtime's communicator (1..32000). Counted
+        apart from submissions: operations on other communicators (a torch.distributed
+        sub-group's, see :mod:`hpcdp.dist`) reach the engine on some ranks only."""
+        return next(self._tags) % 32000 + 1
 
     # -- driving ----------------------------------------------------------------
     def _step(self, h: Handle, block: bool) -> bool:
@@ -292,28 +303,36 @@ class Engine:
                 time.sleep(20e-6 if idle < 500 else 200e-6)
 
     # -- stall detection -----------------------------------------------------------
-    def start_watchdog(self, timeout: float, abort) -> None:
+    def start_watchdog(self, timeout: float, abort, source: str = "HPCDP_STALL_TIMEOUT") -> None:
         """Abort the job when the running operation makes no progress for ``timeout`` s.
 
         A rank that died (SIGKILL, node failure) leaves its neighbours waiting for a
         message forever; the watchdog turns that into an error naming the operation,
         the stage, and the rank that did not answer, then calls ``abort(message)``.
+        Called again (a torch.distributed process group's ``timeout``, named by
+        ``source``), the shorter timeout wins; there is one watchdog.
         """
+        if self._stall is not None:
+            if timeout < self._stall[0]:
+                self._stall = (timeout, source)
+            return
+        self._stall = (timeout, source)
+
         def watch():
-            period = min(1.0, timeout / 10)
             while not self._closed:
-                time.sleep(period)
+                timeout, source = self._stall
+                time.sleep(min(1.0, timeout / 10))
                 h = self._running
-                if h is None or monotonic() - self.last_progress < timeout:
+                idle = monotonic() - self.last_progress
+                if h is None or idle < timeout or h is not self._running:
                     continue
-                if h is not self._running:
-                    continue
-                abort(self.describe_stall(h, monotonic() - self.last_progress, timeout))
+                abort(self.describe_stall(h, idle, timeout, source))
                 return
 
         threading.Thread(target=watch, name="hpcdp-watchdog", daemon=True).start()
 
-    def describe_stall(self, h: Handle, idle: float, timeout: float) -> str:
+    def describe_stall(self, h: Handle, idle: float, timeout: float,
+                       source: str = "HPCDP_STALL_TIMEOUT") -> str:
         rank, size = self.comm.Get_rank(), self.comm.Get_size()
         where = h.where or {}
         stage = where.get("phase", "starting")
@@ -340,7 +359,7 @@ class Engine:
                    if peer is not None else
                    f"one or more of ranks {rank_ranges(others)} did not join (did one die?)")
         return (f"rank {rank}/{size}: no progress for {idle:.1f} s in {h.name} (#{h.seq}), {stage}, "
-                f"{waiting}{more}. {missing}. Aborting the job (HPCDP_STALL_TIMEOUT={timeout:g}).")
+                f"{waiting}{more}. {missing}. Aborting the job ({source}={timeout:g}).")
 
     def close(self):
         with self._cv:

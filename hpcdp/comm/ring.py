@@ -32,7 +32,7 @@ import functools
 from .schedule import RingSchedule
 from .waiting import complete
 
-__all__ = ["ring_allreduce", "ring_allreduce_blocking", "RingConfig", "PlainFrames", "CodecFrames"]
+__all__ = ["ring_allreduce", "ring_reduce_scatter", "ring_allreduce_blocking", "RingConfig", "PlainFrames", "CodecFrames"]
 
 
 class RingConfig:
@@ -178,11 +178,36 @@ def ring_allreduce(ctx, n: int, frames, tmp, cfg: RingConfig, itemsize: int):
     ctx.count(plan.sent * itemsize, plan.received * itemsize)
 
 
-def _scatter_reduce(ctx, plan: _Plan, frames, tmp, seg: int, window: int, itemsize: int):
+def ring_reduce_scatter(ctx, n: int, frames, tmp, cfg: RingConfig, itemsize: int):
+    """Generator: the ring's scatter-reduce alone, over ``n`` elements of ``frames``.
+
+    Afterwards rank ``r`` owns chunk ``(r + 1) % size`` (see
+    :mod:`hpcdp.comm.schedule`), reduced in ring order (divided by the world size for
+    ``op="avg"``), and nothing else of the buffer is defined. ``tmp``, ``itemsize``: as
+    for :func:`ring_allreduce`.
+
+    1. scatter-reduce, segments pipelined through ``cfg.window`` receive slots;
+    2. the sends still in flight are completed.
+    """
+    if ctx.size == 1 or n == 0:
+        frames.single()
+        return
+    seg = max(1, cfg.segment_bytes // itemsize)
+    plan = _plan(n, ctx.size, ctx.rank, seg)
+    ctx.step_started()
+    sends = yield from _scatter_reduce(ctx, plan, frames, tmp, seg, cfg.window, itemsize, False)
+    leftover = [r for step in sends for r in step]
+    if leftover:
+        ctx.at("final sends", plan.right)
+        yield leftover
+
+
+def _scatter_reduce(ctx, plan: _Plan, frames, tmp, seg: int, window: int, itemsize: int,
+                    forward_owned: bool = True):
     """Generator: the scatter-reduce, segment by segment through ``window`` receive slots.
 
     Returns the send requests still in flight, by step (the last entry: the owned
-    chunk's sends, which belong to allgather step 0)."""
+    chunk's sends, which belong to allgather step 0; none without ``forward_owned``)."""
     incoming, left, right = plan.incoming, plan.left, plan.right
     slots = [tmp[k * seg:(k + 1) * seg] for k in range(min(window, len(incoming)))]
     recvs = [ctx.irecv(slots[m][:hi - lo], left) for m, (_, lo, hi) in enumerate(incoming[:len(slots)])]
@@ -199,7 +224,8 @@ def _scatter_reduce(ctx, plan: _Plan, frames, tmp, seg: int, window: int, itemsi
         if m + len(slots) < len(incoming):
             _, nlo, nhi = incoming[m + len(slots)]
             recvs.append(ctx.irecv(slot[:nhi - nlo], left))
-        sends[i + 1].append(ctx.isend(out, right))
+        if forward_owned or i != last:
+            sends[i + 1].append(ctx.isend(out, right))
         moved, got = moved + hi - lo, got + hi - lo
         if m + 1 == len(incoming) or incoming[m + 1][0] != i:
             ctx.step_done(i, moved * itemsize, got * itemsize)
