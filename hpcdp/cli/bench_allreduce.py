@@ -1,6 +1,7 @@
 """``hpcdp-bench allreduce``: hpcdp's allreduce (the default algorithm, ``HPCDP_ALGO`` or
 ``auto``) against the MPI library's own ``MPI_Allreduce`` (and each algorithm named in
-``--algos``, torch gloo with ``--gloo``), in the same run, same buffers.
+``--algos``, torch gloo with ``--gloo``; ``dist.all_reduce`` over torch.distributed's
+"hpcdp" backend and over gloo with ``--backend-compare``), in the same run, same buffers.
 
 Run under the launcher, e.g. ``mpirun -np 4 hpcdp-bench allreduce``. Rank 0
 prints one JSON object per size::
@@ -59,7 +60,9 @@ def _max(comm):
     return MPI.MAX
 
 
-def _host_runners(elems, comm, dist, check, algos=()) -> dict:
+def _host_runners(elems, comm, groups, check, algos=()) -> dict:
+    """The timed calls: hpcdp's, native MPI's, each algorithm's, and ``dist.all_reduce`` over
+    each torch.distributed group of ``groups`` (name -> group; None: the default group)."""
     from mpi4py import MPI
 
     import hpcdp
@@ -69,14 +72,15 @@ def _host_runners(elems, comm, dist, check, algos=()) -> dict:
                "native": lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)}
     for algo in algos:
         runners[algo] = functools.partial(hpcdp.allreduce, buf, check=check, algo=algo)
-    if dist is not None:
+    if groups:
         import torch
-        t_buf = torch.zeros(elems, dtype=torch.float32)
-        runners["gloo"] = lambda: dist.all_reduce(t_buf)
+        import torch.distributed as dist
+        for name, group in groups.items():
+            runners[name] = functools.partial(dist.all_reduce, torch.zeros(elems), group=group)
     return runners
 
 
-def _device_runners(elems, rt, comm, dist, check) -> dict:
+def _device_runners(elems, rt, comm, groups, check) -> dict:
     import torch
     from mpi4py import MPI
 
@@ -106,14 +110,15 @@ def _device_runners(elems, rt, comm, dist, check) -> dict:
             buf.copy_(host, non_blocking=True)
             sync()
     runners = {"hpcdp": ours, "hpcdp_async": ours_async, "native": native}
-    if dist is not None:
-        t_buf = torch.zeros(elems, dtype=torch.float32, device=rt.device)
-
-        def gloo():
-            dist.all_reduce(t_buf)
-            sync()
-        runners["gloo"] = gloo
+    for name, group in (groups or {}).items():
+        runners[name] = functools.partial(_torch_call, buf.clone(), group, sync)
     return runners
+
+
+def _torch_call(t, group, sync) -> None:
+    import torch.distributed as dist
+    dist.all_reduce(t, group=group)
+    sync()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-time", type=float, default=0.1,
                     help="seconds each timed trial should last (sets iterations per trial)")
     ap.add_argument("--gloo", action="store_true", help="also time torch.distributed gloo all_reduce")
+    ap.add_argument("--backend-compare", action="store_true",
+                    help="also time dist.all_reduce over the \"hpcdp\" torch.distributed backend "
+                         "(torch_hpcdp_*) and over gloo (gloo_*), in the same run")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="buffers in host memory (numpy) or on this rank's GPU (torch CUDA tensors)")
     ap.add_argument("--algos", default="",
@@ -184,7 +192,26 @@ def _record(rt, args, nbytes: int, med: dict, iters: dict, check: bool) -> dict:
         rec["gloo_time_s"] = med["gloo"]
         rec["gloo_busbw"] = busbw / med["gloo"]
         rec["ratio_gloo"] = med["gloo"] / med["hpcdp"]
+    if "torch_hpcdp" in med:  # dist.all_reduce over the "hpcdp" backend
+        rec["torch_hpcdp_time_s"] = med["torch_hpcdp"]
+        rec["torch_hpcdp_busbw"] = busbw / med["torch_hpcdp"]
+        rec["ratio_torch_hpcdp_to_gloo"] = med["gloo"] / med["torch_hpcdp"]
+        rec["ratio_torch_hpcdp_to_native"] = med["native"] / med["torch_hpcdp"]
     return rec
+
+
+def _torch_groups(rt, args) -> dict:
+    """The torch.distributed groups to time, by runner name (None: the default group)."""
+    if args.backend_compare:
+        import torch.distributed as dist
+
+        import hpcdp.dist  # noqa: F401 (registers the backend)
+        dist.init_process_group("hpcdp")
+        return {"torch_hpcdp": None, "gloo": dist.new_group(backend="gloo")}
+    if args.gloo:
+        gloo_group(rt)
+        return {"gloo": None}
+    return {}
 
 
 def main(argv=None) -> int:
@@ -202,16 +229,17 @@ def main(argv=None) -> int:
         if rt.rank == 0:
             print(f"hpcdp-bench allreduce: {NO_CUDA}", file=sys.stderr)
         return 2
-    dist = gloo_group(rt) if args.gloo else None
+    groups = _torch_groups(rt, args)
     check = not args.no_check
     for nbytes in _sizes(args.sizes):
         elems = nbytes // 4
-        runners = _device_runners(elems, rt, rt.comm, dist, check) if args.device == "cuda" \
-            else _host_runners(elems, rt.comm, dist, check, _algos(args))
+        runners = _device_runners(elems, rt, rt.comm, groups, check) if args.device == "cuda" \
+            else _host_runners(elems, rt.comm, groups, check, _algos(args))
         med, iters = _measure(rt.comm, runners, args)
         if rt.rank == 0:
             print(json.dumps(_record(rt, args, elems * 4, med, iters, check)), flush=True)
-    if dist is not None:
+    if groups:
+        import torch.distributed as dist
         dist.destroy_process_group()
     return 0
 

@@ -29,6 +29,18 @@ def test_records_give_both_times_the_busbw_and_their_ratio():
 
 
 @pytest.mark.timeout(120)
+def test_backend_compare_times_dist_all_reduce_over_hpcdp_and_gloo():
+    p = run_mpi(2, ["-m", "hpcdp.cli.bench", "allreduce", "--sizes", "64k", "--trials", "2",
+                    "--min-time", "0.01", "--backend-compare"], timeout=100)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (r,) = _records(p.stdout)
+    for peer in ("torch_hpcdp", "gloo", "native"):
+        assert r[f"{peer}_busbw"] == pytest.approx(r["bytes"] / r[f"{peer}_time_s"] / 1e9)
+    assert r["ratio_torch_hpcdp_to_gloo"] == pytest.approx(r["gloo_time_s"] / r["torch_hpcdp_time_s"])
+    assert r["ratio_torch_hpcdp_to_native"] == pytest.approx(r["native_time_s"] / r["torch_hpcdp_time_s"])
+
+
+@pytest.mark.timeout(120)
 def test_device_cuda_runs_on_the_gpu_or_is_refused_without_one():
     pytest.importorskip("torch")
     p = run_mpi(2, ["-m", "hpcdp.cli.bench", "allreduce", "--device", "cuda", "--sizes", "64k",

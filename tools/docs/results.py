@@ -200,6 +200,19 @@ SPECS = {
         "where": {"bench": "synthetic"},
         "columns": _SYNTHETIC_COLUMNS,
     },
+    "backend-allreduce": {
+        "file": "backend-allreduce.jsonl",
+        "command": "mpirun -np 2 hpcdp-bench allreduce --backend-compare --sizes 1m,16m,64m "
+                   "--trials 5 > docs/results/backend-allreduce.jsonl",
+        "where": {"bench": "allreduce"},
+        "columns": [("MPI", "mpi", "str"), ("ranks", "np", "int"), ("size", "bytes", "size"),
+                    ("dist.all_reduce over hpcdp (GB/s)", "torch_hpcdp_busbw", "num1"),
+                    ("over gloo (GB/s)", "gloo_busbw", "num1"),
+                    ("MPI_Allreduce (GB/s)", "native_busbw", "num1"),
+                    ("hpcdp.allreduce, numpy (GB/s)", "hpcdp_busbw", "num1"),
+                    ("hpcdp / gloo", "ratio_torch_hpcdp_to_gloo", "ratio"),
+                    ("hpcdp / native", "ratio_torch_hpcdp_to_native", "ratio")],
+    },
     "cluster-synthetic": {
         "file": "cluster-synthetic.jsonl",
         "command": _CLUSTER_SYNTHETIC,
