@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 
 __all__ = ["register_when_torch_loads"]
 
@@ -42,6 +43,10 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
 
         def exec_then_register(module):
             exec_module(module)
-            _register()
+            try:
+                _register()
+            except Exception as exc:  # never fail torch's own import: say so instead
+                warnings.warn(f"hpcdp could not register the torch.distributed backend "
+                              f"'hpcdp': {exc!r}", RuntimeWarning, stacklevel=2)
         spec.loader.exec_module = exec_then_register
         return spec

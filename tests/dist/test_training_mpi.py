@@ -1,0 +1,73 @@
+"""Unmodified torch training over the "hpcdp" backend at np = 1..4: torch DDP (one step equals
+one process on the concatenated batch) and FSDP2 (equals one process on the global
+batch). Every assertion holds on every rank."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _batches(steps: int, per_rank: int, size: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(per_rank * size, 64, generator=g),
+             torch.randint(0, 10, (per_rank * size,), generator=g)) for _ in range(steps)]
+
+
+def _train_alone(model, batches):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def test_ddp_step_equals_one_process(pg):
+    """torch DDP over hpcdp, 3 steps of 8 samples per rank == one process on all 8 x size."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    batches = _batches(3, 8, size)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x[rank * 8:(rank + 1) * 8]), y[rank * 8:(rank + 1) * 8]).backward()
+        opt.step()
+    _train_alone(ref, batches)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")
+    everyone = [None] * size
+    dist.all_gather_object(everyone, [p.detach().numpy().tobytes() for p in model.parameters()])
+    assert all(e == everyone[0] for e in everyone), f"rank {rank}: replicas differ"
+
+
+def test_fsdp2_equals_one_process(pg):
+    """FSDP2 (fully_shard per Linear and at the root) over hpcdp: its all_gather_into_tensor
+    (in place) and reduce_scatter_tensor with AVG give one process's training."""
+    fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
+    rank, size = dist.get_rank(), dist.get_world_size()
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = _batches(4, 8, size)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[rank * 8:(rank + 1) * 8]), y[rank * 8:(rank + 1) * 8]).backward()
+        opt.step()
+    _train_alone(ref, batches)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
