@@ -32,7 +32,7 @@ import functools
 from .schedule import RingSchedule
 from .waiting import complete
 
-__all__ = ["ring_allreduce", "ring_reduce_scatter", "ring_allreduce_blocking", "RingConfig", "PlainFrames", "CodecFrames"]
+__all__ = ["ring_allreduce", "ring_allreduce_blocking", "RingConfig", "PlainFrames", "CodecFrames"]
 
 
 class RingConfig:
@@ -155,7 +155,8 @@ class CodecFrames:
         return m
 
 
-def ring_allreduce(ctx, n: int, frames, tmp, cfg: RingConfig, itemsize: int):
+def ring_allreduce(ctx, n: int, frames, tmp, cfg: RingConfig, itemsize: int,
+                   allgather: bool = True):
     """Generator: allreduce ``n`` elements in place through ``frames``.
 
     ``ctx``: the operation's :class:`~hpcdp.comm.op.OpContext`. ``tmp``: a flat
@@ -166,6 +167,11 @@ def ring_allreduce(ctx, n: int, frames, tmp, cfg: RingConfig, itemsize: int):
     1. scatter-reduce: after it, this rank owns one fully reduced chunk;
     2. allgather: every owner's chunk goes round the ring, received into place;
     3. the sends still in flight are completed, the bytes counted.
+
+    ``allgather=False`` stops after step 1 (a reduce-scatter): rank ``r`` then owns
+    chunk ``(r + 1) % size`` (see :mod:`hpcdp.comm.schedule`), reduced in ring order
+    (divided by the world size for ``op="avg"``), and nothing else of the buffer is
+    defined; its bytes are not counted.
     """
     if ctx.size == 1 or n == 0:
         frames.single()
@@ -173,33 +179,12 @@ def ring_allreduce(ctx, n: int, frames, tmp, cfg: RingConfig, itemsize: int):
     seg = max(1, cfg.segment_bytes // itemsize)
     plan = _plan(n, ctx.size, ctx.rank, seg)
     ctx.step_started()
-    sends = yield from _scatter_reduce(ctx, plan, frames, tmp, seg, cfg.window, itemsize)
+    sends = yield from _scatter_reduce(ctx, plan, frames, tmp, seg, cfg.window, itemsize, allgather)
+    if not allgather:
+        yield from _final_sends(ctx, plan, sends)
+        return
     yield from _allgather(ctx, plan, frames, sends, itemsize)
     ctx.count(plan.sent * itemsize, plan.received * itemsize)
-
-
-def ring_reduce_scatter(ctx, n: int, frames, tmp, cfg: RingConfig, itemsize: int):
-    """Generator: the ring's scatter-reduce alone, over ``n`` elements of ``frames``.
-
-    Afterwards rank ``r`` owns chunk ``(r + 1) % size`` (see
-    :mod:`hpcdp.comm.schedule`), reduced in ring order (divided by the world size for
-    ``op="avg"``), and nothing else of the buffer is defined. ``tmp``, ``itemsize``: as
-    for :func:`ring_allreduce`.
-
-    1. scatter-reduce, segments pipelined through ``cfg.window`` receive slots;
-    2. the sends still in flight are completed.
-    """
-    if ctx.size == 1 or n == 0:
-        frames.single()
-        return
-    seg = max(1, cfg.segment_bytes // itemsize)
-    plan = _plan(n, ctx.size, ctx.rank, seg)
-    ctx.step_started()
-    sends = yield from _scatter_reduce(ctx, plan, frames, tmp, seg, cfg.window, itemsize, False)
-    leftover = [r for step in sends for r in step]
-    if leftover:
-        ctx.at("final sends", plan.right)
-        yield leftover
 
 
 def _scatter_reduce(ctx, plan: _Plan, frames, tmp, seg: int, window: int, itemsize: int,
@@ -250,6 +235,11 @@ def _allgather(ctx, plan: _Plan, frames, sends, itemsize: int):
         got = sum(hi - lo for lo, hi in plan.ag_recv[j]) * itemsize
         ctx.step_done(steps + j, got if forward else 0, got)
         posted = following
+    yield from _final_sends(ctx, plan, sends)
+
+
+def _final_sends(ctx, plan: _Plan, sends):
+    """Generator: complete the sends still in flight (by step)."""
     leftover = [r for step in sends for r in step]
     if leftover:
         ctx.at("final sends", plan.right)

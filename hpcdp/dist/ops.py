@@ -22,14 +22,14 @@ import torch
 from ..collectives import (DESCRIBE, _check_gen, _cfg, _slots)
 from ..comm.buffers import Buffer, as_buffer, host_ops
 from ..comm.dtypes import DTYPES, dtype_from_name
-from ..comm.ring import PlainFrames, ring_reduce_scatter
+from ..comm.ring import PlainFrames, ring_allreduce
 
 __all__ = ["Staged", "KINDS", "check", "allgather", "broadcast", "reduce_scatter",
            "reduce_by_gathering", "alltoall", "gather", "scatter", "barrier"]
 
 #: argument-check kinds of the calls below (hpcdp's own allreduce and broadcast are 1, 2)
 KINDS = {16: "allgather", 17: "reduce_scatter", 18: "alltoall", 19: "gather", 20: "scatter",
-         21: "barrier", 22: "broadcast", 23: "allreduce", 24: "reduce"}
+         21: "barrier", 22: "broadcast", 23: "allreduce"}
 _KIND = {name: kind for kind, name in KINDS.items()}
 #: reductions other than sum and average: (name, function folding the next rank in)
 FOLDS = {"MIN": torch.minimum, "MAX": torch.maximum, "PRODUCT": torch.mul,
@@ -48,8 +48,13 @@ _DTYPE_NAMES = {**{d.code: name for name, d in DTYPES.items()},
                 **{code: name for name, code in _MORE_DTYPES.items()}}
 
 
+def dtype_name(t: torch.Tensor) -> str:
+    """``t``'s dtype as hpcdp names dtypes (``"float32"``)."""
+    return str(t.dtype).replace("torch.", "")
+
+
 def _dtype_code(t: torch.Tensor) -> int:
-    name = str(t.dtype).replace("torch.", "")
+    name = dtype_name(t)
     return DTYPES[name].code if name in DTYPES else _MORE_DTYPES.get(name, 31)
 
 
@@ -58,7 +63,7 @@ def _describe(fields) -> str:
     words = f"{KINDS[kind]} of {n} elements of {_DTYPE_NAMES.get(dtype, 'another dtype')}"
     if op:
         words += f", op={_OP_NAMES.get(op, op)}"
-    if kind in (_KIND["broadcast"], _KIND["gather"], _KIND["scatter"], _KIND["reduce"]):
+    if kind in (_KIND["broadcast"], _KIND["gather"], _KIND["scatter"]):
         words += f", root={extra}"
     return words + " (torch.distributed)"
 
@@ -101,9 +106,9 @@ def signature(t: torch.Tensor, name: str):
     return SimpleNamespace(n=t.numel(), dtype=SimpleNamespace(code=_dtype_code(t)), name=name)
 
 
-def check(rt, ctx, call: str, t: torch.Tensor, op: int = 0, extra: int = 0, what: str = ""):
-    """Generator: the argument check of ``call`` (``what``: the tensor's words for errors)."""
-    yield from _check_gen(rt, ctx, call, _KIND[call], signature(t, what or call), op, extra)
+def check(rt, ctx, call: str, t: torch.Tensor, op: int = 0, extra: int = 0):
+    """Generator: the argument check of ``call`` over ``t`` (``extra``: the root, if any)."""
+    yield from _check_gen(rt, ctx, call, _KIND[call], signature(t, call), op, extra)
 
 
 # -- collectives -----------------------------------------------------------------------------
@@ -135,15 +140,15 @@ def reduce_scatter(rt, ctx, out: torch.Tensor, inp: torch.Tensor, average: bool)
     3. copy the owned chunk into ``out``.
     """
     n, size = out.numel(), ctx.size
-    d = dtype_from_name(str(inp.dtype).replace("torch.", ""))
+    d = dtype_from_name(dtype_name(inp))
     src = as_buffer(inp.detach().reshape(-1), "reduce_scatter input").data
     work = rt.scratch("reduce-scatter", n * size, d.storage)
     work[n:] = src[:n * (size - 1)]
     work[:n] = src[n * (size - 1):]
     buf = Buffer(work, n * size, d, host_ops(d), "reduce_scatter input")
     ctx.at("reduce-scatter (ring)")
-    yield from ring_reduce_scatter(ctx, buf.n, PlainFrames(buf, average, size),
-                                   rt.tmp(buf, _slots(d.itemsize)), _cfg, d.itemsize)
+    yield from ring_allreduce(ctx, buf.n, PlainFrames(buf, average, size),
+                              rt.tmp(buf, _slots(d.itemsize)), _cfg, d.itemsize, allgather=False)
     owned = (ctx.rank + 1) % size
     dst = as_buffer(out.detach().reshape(-1), "reduce_scatter output").data
     dst[:] = work[owned * n:(owned + 1) * n]
