@@ -32,7 +32,7 @@ from time import monotonic
 from ..errors import CommError
 from .waiting import complete
 
-__all__ = ["Engine", "Handle", "CommError", "rank_ranges"]
+__all__ = ["Engine", "Handle", "CommError", "as_comm_error", "rank_ranges"]
 
 
 class Handle:
@@ -191,9 +191,7 @@ class Engine:
 
     def _failed(self, h: Handle, exc: Exception):
         """Record the error that ``wait()`` raises to the caller, naming rank and operation."""
-        h._error = exc if isinstance(exc, CommError) else CommError(
-            f"rank {self.comm.Get_rank()}: {h.name} failed: {exc!r}")
-        h._error.__cause__ = exc
+        h._error = as_comm_error(self.comm.Get_rank(), h.name, exc)
 
     # -- the running operation (all three with the lock held) -------------------------
     def _take(self, h: Handle):
@@ -368,6 +366,17 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+
+def as_comm_error(rank: int, name: str, exc: Exception) -> CommError:
+    """``exc`` as the :class:`CommError` an operation's ``wait()`` raises, naming the rank and
+    the operation (MPI's exceptions in words: alone they say only their code)."""
+    if isinstance(exc, CommError):
+        return exc
+    text = exc.Get_error_string() if hasattr(exc, "Get_error_string") else ""
+    error = CommError(f"rank {rank}: {name} failed: {exc!r}" + (f": {text}" if text else ""))
+    error.__cause__ = exc
+    return error
 
 
 def _call_once(fn):

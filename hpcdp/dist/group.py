@@ -11,6 +11,7 @@ rank and the call. Calls torch has but hpcdp does not raise ``NotImplementedErro
 """
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -262,17 +263,11 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         (``dist.destroy_process_group``; every member calls it)."""
         if self.comm is None:
             return
-        comm, p2p = self.comm, self.p2p
+        comms = (self.comm, self.p2p)
         self.comm = self.p2p = None
-
-        def free():
-            comm.Free()
-            p2p.Free()
-            return
-            yield  # noqa: unreachable; makes this a generator
         if self.rt.engine.closed:
             return  # hpcdp was finalised (MPI may be gone): nothing left to free safely
-        self.rt.engine.run(free(), f"destroy_process_group{self.label}")
+        self.rt.engine.run(functools.partial(_free, comms), f"destroy_process_group{self.label}")
 
     def abort(self):
         self.shutdown()
@@ -296,7 +291,7 @@ def _op_name(opts) -> str:
 
 def _ours(t) -> bool:
     """Whether hpcdp's own reduction (ring, shared memory) takes ``t``'s dtype."""
-    return str(t.dtype).replace("torch.", "") in DTYPES
+    return ops.dtype_name(t) in DTYPES
 
 
 def _fold_check(op: str, t, call: str, rank: int) -> None:
@@ -314,6 +309,11 @@ def _unpack(flat, outs) -> None:
     for o in outs:
         o.copy_(flat[offset:offset + o.numel()].view_as(o))
         offset += o.numel()
+
+
+def _free(comms) -> None:
+    for comm in comms:
+        comm.Free()
 
 
 def _wait(req, keep=None):

@@ -11,8 +11,8 @@ and the call:
    C++ consumers (DDP's reducer) and Python callbacks see a failed future;
 3. :meth:`Work.wait` first waits on the engine's handle (so the engine knows a caller
    waits: it completes the operation with ``Waitall``, or runs it inline when idle),
-   then on the future; it raises the original error (``MismatchError``,
-   ``CommError``), not torch's wrapping of it.
+   which raises the operation's own error (``MismatchError``, ``CommError``), not
+   torch's wrapping of it; then on the future.
 
 Futures are completed on a small pool of completion threads, not on the progress
 thread: a future's callbacks run on the thread that completes it, and torch's own
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from ..errors import CommError, Error
+from ..comm.engine import as_comm_error
 
 __all__ = ["Work", "submit", "completed", "after_all"]
 
@@ -52,22 +52,15 @@ class Work(dist._Work):
     """A pending collective of the "hpcdp" backend: ``wait()`` raises the operation's own
     error; ``get_future()`` is a torch future completed with the outputs (or failed)."""
 
-    def __init__(self, future, errors: list, handles: list):
+    def __init__(self, future, handles: list):
         super().__init__()
         self._future = future
-        self._errors = errors  # lists the operations this Work depends on fill when they fail
-        self._handles = handles  # their engine handles
+        self._handles = handles  # the engine handles of the operations this Work waits for
 
     def wait(self, timeout=None) -> bool:
-        try:
-            for h in self._handles:  # a waiter on the engine: Waitall, or run inline when idle
-                h.wait()
-            self._future.wait()
-        except Exception:
-            for errors in self._errors:
-                if errors:
-                    raise errors[0] from None
-            raise
+        for h in self._handles:  # a waiter on the engine (Waitall, or inline when idle); raises
+            h.wait()             # the operation's own error
+        self._future.wait()
         return True
 
     def get_future(self):
@@ -84,7 +77,7 @@ class Work(dist._Work):
             if after is not None:
                 after()
             return value
-        return Work(self._future.then(finish), self._errors, self._handles)
+        return Work(self._future.then(finish), self._handles)
 
 
 def _unwrap(fut):
@@ -118,43 +111,34 @@ def _completer(engine) -> ThreadPoolExecutor:
     return _pool
 
 
-def _completing(gen, trigger, value, errors: list, rank: int, name: str, pool):
+def _completing(gen, trigger, value, rank: int, name: str, pool):
     """Generator: ``gen``, then ``trigger`` completed on a completion thread with ``value``
-    or with ``gen``'s error (kept in ``errors`` too)."""
+    or with ``gen``'s error (the one the engine's handle raises too)."""
     try:
         yield from gen
     except Exception as exc:
-        error = exc if isinstance(exc, Error) else CommError(f"rank {rank}: {name} failed: {_words(exc)}")
-        if error is not exc:
-            error.__cause__ = exc
-        errors.append(error)
+        error = as_comm_error(rank, name, exc)
         pool.submit(trigger.set_result, _Failed(error))
-        raise
+        raise error
     pool.submit(trigger.set_result, value)
-
-
-def _words(exc: Exception) -> str:
-    """``exc`` in words (MPI's exceptions say only their code unless asked)."""
-    text = exc.Get_error_string() if hasattr(exc, "Get_error_string") else ""
-    return f"{exc!r}: {text}" if text else repr(exc)
 
 
 def submit(group, gen, name: str, value, where=None) -> Work:
     """Queue operation ``gen`` of ``group`` on the engine; a Work completed with ``value``.
     ``where``: the operation's context's dict that the stall watchdog reads."""
-    trigger, errors = _future(value), []
+    trigger = _future(value)
     label = f"{name}{group.label}"
     engine = group.rt.engine
-    handle = engine.submit(_completing(gen, trigger, value, errors, group.rank(), label,
-                                       _completer(engine)), label, None, where)
-    return Work(trigger.then(_unwrap), [errors], [handle])
+    handle = engine.submit(_completing(gen, trigger, value, group.rank(), label, _completer(engine)),
+                           label, None, where)
+    return Work(trigger.then(_unwrap), [handle])
 
 
 def completed(value) -> Work:
     """A Work that is already done (a collective with nothing to move)."""
     fut = _future(value)
     fut.set_result(value)
-    return Work(fut, [], [])
+    return Work(fut, [])
 
 
 def after_all(works, value) -> Work:
@@ -164,5 +148,4 @@ def after_all(works, value) -> Work:
             f.value()
         return value
     futures = torch.futures.collect_all([w.get_future() for w in works])
-    return Work(futures.then(finish), [e for w in works for e in w._errors],
-                [h for w in works for h in w._handles])
+    return Work(futures.then(finish), [h for w in works for h in w._handles])
