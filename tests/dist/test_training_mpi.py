@@ -23,11 +23,13 @@ def _batches(steps: int, per_rank: int, size: int):
              torch.randint(0, 10, (per_rank * size,), generator=g)) for _ in range(steps)]
 
 
-def _train_alone(model, batches):
+def _train(model, batches, rows=slice(None)):
+    """SGD (lr 0.1, momentum 0.9) over ``batches``, on samples ``rows`` of each (all: the
+    one-process reference)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for x, y in batches:
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
         opt.step()
 
 
@@ -36,14 +38,9 @@ def test_ddp_step_equals_one_process(pg):
     rank, size = dist.get_rank(), dist.get_world_size()
     model = _mlp()
     ref = copy.deepcopy(model)
-    ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     batches = _batches(3, 8, size)
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.cross_entropy(ddp(x[rank * 8:(rank + 1) * 8]), y[rank * 8:(rank + 1) * 8]).backward()
-        opt.step()
-    _train_alone(ref, batches)
+    _train(nn.parallel.DistributedDataParallel(model), batches, slice(rank * 8, (rank + 1) * 8))
+    _train(ref, batches)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")
     everyone = [None] * size
@@ -62,12 +59,8 @@ def test_fsdp2_equals_one_process(pg):
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
     fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batches = _batches(4, 8, size)
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x[rank * 8:(rank + 1) * 8]), y[rank * 8:(rank + 1) * 8]).backward()
-        opt.step()
-    _train_alone(ref, batches)
+    _train(model, batches, slice(rank * 8, (rank + 1) * 8))
+    _train(ref, batches)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
