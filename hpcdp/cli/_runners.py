@@ -15,16 +15,26 @@ A variant is ``(mode, bucket MiB or None, compression or None, algo or None)``:
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 __all__ = ["HPCDP_MODES", "TORCH_HOOKS", "NO_CUDA", "Runner", "close", "compression_list", "csv_list",
-           "hpcdp_compressor", "has_torch_hook"]
+           "cuda_refused", "hpcdp_compressor", "has_torch_hook"]
 
 HPCDP_MODES = ("hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace")
 TORCH_HOOKS = ("fp16", "bf16", "powersgd")
 # torch's PowerSGD needs error feedback's first two iterations exact; hpcdp's starts alike
 _POWERSGD_START = 2
 NO_CUDA = "--device cuda, but this process sees no CUDA device (no GPU, or a CPU-only torch build)"
+
+
+def cuda_refused(rt, device: str, prog: str) -> bool:
+    """True where ``--device cuda`` was asked for and this process has no CUDA; rank 0 says so."""
+    if device != "cuda" or rt.cuda:
+        return False
+    if rt.rank == 0:
+        print(f"{prog}: {NO_CUDA}", file=sys.stderr)
+    return True
 
 
 def csv_list(text: str) -> list[str]:

@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from ._gloo import gloo_group
-from ._runners import NO_CUDA
+from ._runners import cuda_refused
 
 
 def _sizes(spec: str) -> list[int]:
@@ -225,9 +225,7 @@ def main(argv=None) -> int:
     hpcdp.init()
     from hpcdp._runtime import runtime
     rt = runtime()
-    if args.device == "cuda" and not rt.cuda:
-        if rt.rank == 0:
-            print(f"hpcdp-bench allreduce: {NO_CUDA}", file=sys.stderr)
+    if cuda_refused(rt, args.device, "hpcdp-bench allreduce"):
         return 2
     groups = _torch_groups(rt, args)
     check = not args.no_check

@@ -56,7 +56,8 @@ import sys
 import time
 import types
 
-from ._runners import HPCDP_MODES, NO_CUDA, Runner, close, compression_list, csv_list, has_torch_hook
+from ._runners import (HPCDP_MODES, Runner, close, compression_list, csv_list, cuda_refused,
+                       has_torch_hook)
 
 _MODES = ("hpcdp", "hpcdp-sync", "ddp", "local")
 
@@ -235,9 +236,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     hpcdp.init()
     rt = runtime()
-    if args.device == "cuda" and not rt.cuda:
-        if rt.rank == 0:
-            print(f"hpcdp-bench synthetic: {NO_CUDA}", file=sys.stderr)
+    if cuda_refused(rt, args.device, "hpcdp-bench synthetic"):
         return 2
     native = rt.comm.Dup()
     comms = {"native": native, "gloo": lambda: gloo_group(rt), "trace_dir": None,
