@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .dtypes import DType, dtype_from_name, host_adder, host_scale
+from .hugepages import collapser
 
 __all__ = ["Buffer", "ArrayOps", "HostOps", "host_ops", "as_buffer", "register_device_ops"]
 
@@ -236,6 +237,7 @@ def as_buffer(x, name: str = "tensor") -> Buffer:
         if not flags.writeable:
             raise ValueError(f"hpcdp reduces in place but {name!r} is read-only")
         flat = x if x.ndim == 1 else x.reshape(-1)
+        collapser().see(flat.ctypes.data, flat.nbytes)
         return Buffer(flat, flat.size, host[0], host[1], name)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
@@ -264,6 +266,7 @@ def _torch_buffer(torch, t, name) -> Buffer:
         return Buffer(flat, flat.numel(), d, TorchCudaOps(d, t.device), name)
     if t.device.type != "cpu":
         raise TypeError(f"hpcdp cannot reduce {name!r} on device {t.device}; CPU and CUDA only")
+    collapser().see(flat.data_ptr(), flat.numel() * d.itemsize)
     return Buffer(_tensor_numpy(flat, d), flat.numel(), d, host_ops(d), name)
 
 

@@ -21,6 +21,7 @@ import torch
 
 from ..collectives import (DESCRIBE, _check_gen, _cfg, _slots)
 from ..comm.buffers import Buffer, as_buffer, host_ops
+from ..comm.hugepages import collapser
 from ..comm.dtypes import DTYPES, dtype_from_name
 from ..comm.ring import PlainFrames, ring_allreduce
 
@@ -98,7 +99,9 @@ class Staged:
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
     """A contiguous CPU tensor's memory as a flat uint8 numpy array (no copy)."""
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
+    flat = t.detach().reshape(-1).view(torch.uint8).numpy()
+    collapser().see(flat.ctypes.data, flat.nbytes)
+    return flat
 
 
 def signature(t: torch.Tensor, name: str):

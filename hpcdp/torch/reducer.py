@@ -41,6 +41,7 @@ import torch
 
 from .._runtime import runtime
 from ..collectives import ALGOS, allreduce_async, broadcast
+from ..comm import hugepages
 from ..compress import NoCompression, get_compressor, resolve
 from .buckets import plan_buckets
 from .guard import DivergenceGuard
@@ -66,7 +67,10 @@ class _Bucket:
         self.tail = None
         if not direct:
             p0 = params[self.members[0]]
-            self.flat = torch.zeros(spec.numel + tail_len, dtype=p0.dtype, device=p0.device)
+            self.flat = torch.empty(spec.numel + tail_len, dtype=p0.dtype, device=p0.device)
+            if self.flat.device.type == "cpu":  # on huge pages from its first touch
+                hugepages.advise(self.flat.data_ptr(), self.flat.numel() * self.flat.element_size())
+            self.flat.zero_()
             self.views = tuple(self.flat[off:off + params[i].numel()].view(params[i].shape)
                                for i, off in zip(self.members, spec.offsets))
             if tail_len:
