@@ -11,6 +11,7 @@ A variant is ``(mode, bucket MiB or None, compression or None, algo or None)``:
 ``ddp``         ``torch.nn.parallel.DistributedDataParallel`` on gloo; a compression
                 registers torch's own comm hook (``fp16_compress_hook``,
                 ``bf16_compress_hook``, ``powerSGD_hook`` at the same rank)
+``ddp-hpcdp``   the same torch DDP on a process group of hpcdp's backend ``"hpcdp"``
 """
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ import os
 import sys
 import time
 
-__all__ = ["HPCDP_MODES", "TORCH_HOOKS", "NO_CUDA", "Runner", "close", "compression_list", "csv_list",
+__all__ = ["HPCDP_MODES", "TORCH_DDP_MODES", "TORCH_HOOKS", "NO_CUDA", "Runner", "close", "compression_list", "csv_list",
            "cuda_refused", "hpcdp_compressor", "has_torch_hook"]
 
 HPCDP_MODES = ("hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace")
+TORCH_DDP_MODES = ("ddp", "ddp-hpcdp")
 TORCH_HOOKS = ("fp16", "bf16", "powersgd")
 # torch's PowerSGD needs error feedback's first two iterations exact; hpcdp's starts alike
 _POWERSGD_START = 2
@@ -156,10 +158,15 @@ class Runner:
                                                            compression=hpcdp_compressor(self.compression),
                                                            gradient_as_bucket_view=self.as_view,
                                                            trace=trace, algo=self.algo)
-        elif self.mode == "ddp":
-            comms["gloo"]()
+        elif self.mode in TORCH_DDP_MODES:
+            group = None  # the default group: gloo
+            if self.mode == "ddp-hpcdp":
+                group = comms["hpcdp"]()
+            else:
+                comms["gloo"]()
             ids = None if self.device.type == "cpu" else [self.device]
-            net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+            net = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids,
+                                                            process_group=group)
             if self.compression is not None:
                 _register_torch_hook(net, self.compression)
             self.last_grad_t = 0.0
@@ -208,7 +215,7 @@ class Runner:
             if self.mode == "naive":
                 self._naive_allreduce()
                 exposed = time.perf_counter() - end
-            elif self.mode == "ddp":
+            elif self.mode in TORCH_DDP_MODES:
                 exposed = end - self.last_grad_t
             else:
                 exposed = 0.0
@@ -236,7 +243,7 @@ class Runner:
 
     def bytes_sent(self):
         """Rank 0's bytes sent by hpcdp so far (0 without communication, None where the
-        transport does not tell: naive and ddp)."""
+        transport does not tell: naive, ddp and ddp-hpcdp)."""
         if self.mode in ("single", "local"):
             return 0
         if self.ddp is not None:

@@ -1,10 +1,11 @@
-"""A torch.distributed gloo process group over the ranks of the MPI job (for
-benchmarks that time torch's own collectives or torch DDP as the peer)."""
+"""torch.distributed process groups over the ranks of the MPI job, for benchmarks
+that time torch's own collectives or torch DDP as the peer: gloo, and hpcdp's own
+backend ("hpcdp", a group beside gloo's)."""
 from __future__ import annotations
 
 import os
 
-__all__ = ["gloo_group"]
+__all__ = ["gloo_group", "hpcdp_group"]
 
 
 def gloo_group(rt):
@@ -21,3 +22,10 @@ def gloo_group(rt):
         os.environ.setdefault("MASTER_PORT", str(port))
         dist.init_process_group("gloo", rank=rt.rank, world_size=rt.size)
     return dist
+
+
+def hpcdp_group(rt):
+    """A new process group of backend "hpcdp" over all ranks, beside the default gloo
+    group (made first if it is not there yet). Collective: every rank calls it."""
+    import hpcdp.dist  # noqa: F401 (registers the backend)
+    return gloo_group(rt).new_group(backend="hpcdp")

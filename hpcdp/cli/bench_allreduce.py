@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from ._gloo import gloo_group
+from ._torch_groups import gloo_group
 from ._runners import cuda_refused
 
 

@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     from hpcdp._runtime import runtime
 
     from .. import models
-    from ._gloo import gloo_group
+    from ._torch_groups import gloo_group
     torch.set_num_threads(args.threads)
     hpcdp.init()
     rt = runtime()

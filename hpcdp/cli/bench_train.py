@@ -17,6 +17,8 @@ Modes:
 ``hpcdp-trace`` ``hpcdp`` with tracing on (``trace=`` a directory under ``--trace-dir``;
                 level from ``HPCDP_TRACE_LEVEL``, default 1): the tracing overhead
 ``ddp``         ``torch.nn.parallel.DistributedDataParallel`` on gloo (defaults)
+``ddp-hpcdp``   the same torch DDP on hpcdp's torch.distributed backend (a group of
+                backend ``"hpcdp"`` beside gloo's)
 
 ``--compression none,fp16,onebit,powersgd:4`` runs every hpcdp mode once per
 listed compressor, in the same rounds as the other modes; ``--algos ring,auto``
@@ -52,12 +54,12 @@ Rank 0 prints one JSON object per model and mode (and compressor)::
      "exposed_comm_s": ...}
 
 ``bytes_sent_per_step`` is rank 0's count from hpcdp's ring (0 for single,
-null where the transport does not tell: naive and ddp). ``exposed_comm_s``
+null where the transport does not tell: naive, ddp and ddp-hpcdp). ``exposed_comm_s``
 is the communication time left after backward's computation: from the end
 of backward to averaged gradients in ``.grad``, per step the slowest rank's,
 median over the timed steps. naive: the blocking allreduces and the
 division after ``backward()``; hpcdp: the per-step increase of the
-reducer's ``exposed_wait_ns``; ddp: from the last gradient's accumulation
+reducer's ``exposed_wait_ns``; ddp and ddp-hpcdp: from the last gradient's accumulation
 (a post-accumulate-grad hook) to ``backward()`` returning, which is when
 torch DDP has waited for its allreduces and copied the averages into
 ``.grad``; single: 0. A rank's figure includes waiting for a slower peer.
@@ -68,7 +70,8 @@ listed compressor), the same for the exposed communication
 (``exposed_hpcdp_over_PEER``), each further compressor's step time over the
 first's (``hpcdp_C_over_hpcdp_C0``), each further algorithm's over the first's
 (``hpcdp_algo_A_over_hpcdp_algo_A0``), the traced step over the untraced one
-(``hpcdp-trace_over_hpcdp``) and, with one step per mode per round,
+(``hpcdp-trace_over_hpcdp``), torch DDP on the "hpcdp" backend over torch DDP on
+gloo (``ddp-hpcdp_over_ddp``, also the exposed communication) and, with one step per mode per round,
 the median over rounds of the ratio of the two steps of the same round
 (``paired_...``: drift that lasts longer than a round cancels).
 """
@@ -88,7 +91,7 @@ from ._runners import NO_CUDA, Runner, close, compression_list, csv_list
 
 _DEFAULT_STEPS = {"mlp-small": (40, 5), "mlp-medium": (20, 3), "mlp-large": (12, 2),
                   "mlp-xlarge": (8, 2), "digits": (100, 10)}
-_MODES = ("single", "naive", "hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace", "ddp")
+_MODES = ("single", "naive", "hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace", "ddp", "ddp-hpcdp")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -245,15 +248,19 @@ class _Bench:
         out = {"bench": "train-summary", "model": self.model_name, "np": self.size,
                "global_batch": self.B}
         paired = self.rounds == self.steps
+        if ("ddp-hpcdp", None) in ref and ("ddp", None) in ref:  # the backend against gloo
+            theirs, ours = ref[("ddp", None)], ref[("ddp-hpcdp", None)]
+            _ratios(ours, theirs, paired, "ddp-hpcdp_over_ddp", out)
+            _ratios(ours, theirs, False, "exposed_ddp-hpcdp_over_ddp", out, "exposed_times")
         hp = ref.get(("hpcdp", c0))
         if hp is None:
             return out
         out["hpcdp_compression"] = c0
-        for peer in ("single", "naive", "ddp", "hpcdp-sync", "hpcdp-copy"):
+        for peer in ("single", "naive", "ddp", "ddp-hpcdp", "hpcdp-sync", "hpcdp-copy"):
             other = ref.get((peer, c0 if peer in _HPCDP_MODES else None))
             if other is not None:
                 _ratios(hp, other, paired, f"hpcdp_over_{peer}", out)
-                if peer in ("naive", "ddp", "hpcdp-sync"):
+                if peer in ("naive", "ddp", "ddp-hpcdp", "hpcdp-sync"):
                     _ratios(hp, other, False, f"exposed_hpcdp_over_{peer}", out, "exposed_times")
         traced = ref.get(("hpcdp-trace", c0))
         if traced is not None:  # the tracing overhead: traced over untraced
@@ -353,12 +360,13 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    from ._gloo import gloo_group
+    from ._torch_groups import gloo_group, hpcdp_group
     native = rt.comm.Dup()
     trace_dir = args.trace_dir
     if "hpcdp-trace" in modes and trace_dir is None:
         trace_dir = native.bcast(tempfile.mkdtemp(prefix="hpcdp-bench-trace-") if rt.rank == 0 else None)
-    comms = {"native": native, "gloo": lambda: gloo_group(rt), "trace_dir": trace_dir,
+    comms = {"native": native, "gloo": lambda: gloo_group(rt),
+             "hpcdp": functools.cache(lambda: hpcdp_group(rt)), "trace_dir": trace_dir,
              "device": torch.device(rt.device if args.device == "cuda" else "cpu")}
     variants = _variants(modes, compressions, algos, args.bucket_mb, sweep)
     try:

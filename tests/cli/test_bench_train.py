@@ -33,12 +33,12 @@ def test_all_modes_and_the_bucket_sweep_report_one_record_each():
     from hpcdp.torch.zoo import parameter_count
     p = run_mpi(2, ["-m", "hpcdp.cli.bench", "train", "--model", "mlp-small", "--global-batch", "64",
                     "--steps", "2", "--warmup", "1", "--rounds", "2", "--bucket-sweep", "1",
-                    "--modes", "single,naive,hpcdp,hpcdp-sync,hpcdp-copy,ddp"], timeout=200,
+                    "--modes", "single,naive,hpcdp,hpcdp-sync,hpcdp-copy,ddp,ddp-hpcdp"], timeout=200,
                 env={"HPCDP_ALGO": "ring"})
     train, summary = records(p)
     assert [(r["mode"], r.get("bucket_cap_mb")) for r in train] == [
         ("single", None), ("naive", None), ("hpcdp", 25.0), ("hpcdp-sync", 25.0), ("hpcdp-copy", 25.0),
-        ("ddp", None), ("hpcdp", 1.0)]
+        ("ddp", None), ("ddp-hpcdp", None), ("hpcdp", 1.0)]
     for r in train:
         assert REQUIRED <= set(r), r
         assert r["model"] == "mlp-small" and r["global_batch"] == 64 and r["compression"] is None
@@ -48,7 +48,8 @@ def test_all_modes_and_the_bucket_sweep_report_one_record_each():
         check_exposed(r)
     by_mode = {(r["mode"], r.get("bucket_cap_mb")): r for r in train}
     assert by_mode[("single", None)]["bytes_sent_per_step"] == 0
-    assert by_mode[("naive", None)]["bytes_sent_per_step"] is None
+    for peer in ("naive", "ddp", "ddp-hpcdp"):
+        assert by_mode[(peer, None)]["bytes_sent_per_step"] is None
     # ring at np=2 (the job runs with HPCDP_ALGO=ring: the shared-memory algorithms send
     # nothing): a rank sends half of every bucket twice (reduce-scatter, allgather); the last
     # bucket carries a one-element control tail
@@ -56,7 +57,10 @@ def test_all_modes_and_the_bucket_sweep_report_one_record_each():
     for key in (("hpcdp", 25.0), ("hpcdp-sync", 25.0), ("hpcdp-copy", 25.0), ("hpcdp", 1.0)):
         assert by_mode[key]["bytes_sent_per_step"] == pytest.approx(expected, rel=1e-5)
     assert len(summary) == 1 and {"hpcdp_over_naive", "hpcdp_over_ddp", "exposed_hpcdp_over_naive",
-                                  "exposed_hpcdp_over_ddp"} <= set(summary[0])
+                                  "exposed_hpcdp_over_ddp", "ddp-hpcdp_over_ddp",
+                                  "exposed_ddp-hpcdp_over_ddp"} <= set(summary[0])
+    ours, gloo = by_mode[("ddp-hpcdp", None)], by_mode[("ddp", None)]
+    assert summary[0]["ddp-hpcdp_over_ddp"] == pytest.approx(ours["step_time_s"] / gloo["step_time_s"])
 
 
 @pytest.mark.timeout(120)
