@@ -86,6 +86,10 @@ class FakeCudaTensor(torch.Tensor):
         """A view of ``host``'s memory (no copy)."""
         return torch.from_numpy(host).as_subclass(FakeCudaTensor)
 
+    def detach(self) -> "FakeCudaTensor":
+        """Still "device" memory, as a CUDA tensor's ``detach()`` is."""
+        return super().detach().as_subclass(FakeCudaTensor)
+
 
 class FakeTorchOps(TorchCudaOps):
     """``TorchCudaOps`` on the CPU: host "pinned" memory, counted syncs and copies."""
