@@ -43,6 +43,20 @@ def test_a_point_holds_when_four_of_five_rounds_hold_its_bound():
     assert by_size[16 * KiB]["bound"] is None and by_size[16 * KiB]["holds"] is None
 
 
+def test_backend_rounds_relate_the_hpcdp_backend_to_gloo_from_16_mib():
+    def line(nbytes, ratio, rnd):
+        return dict(_line(nbytes, 1.0, rnd, algo="ring"), ratio_torch_hpcdp_to_gloo=ratio,
+                    torch_hpcdp_busbw=3.0 * rnd, gloo_busbw=1.0, native_busbw=2.0, hpcdp_busbw=4.0)
+    lines = ([line(MiB, 10.0, i) for i in range(1, 4)]
+             + [line(64 * MiB, r, i) for i, r in enumerate([2.9, 3.5, 3.1], start=1)])
+    out = {p["bytes"]: p for p in bench_rounds.summarise(lines, bench_rounds.BACKEND)}
+    assert out[MiB]["bench"] == "backend-allreduce-rounds" and out[MiB]["bound"] is None
+    big = out[64 * MiB]
+    assert big["bound"] == 3.0 and big["ratios"] == [2.9, 3.5, 3.1] and big["held"] == 2
+    assert big["holds"] is False and big["ratio_median"] == 3.1
+    assert big["torch_hpcdp_busbw"] == 6.0 and big["gloo_busbw"] == 1.0
+
+
 def _cluster(algo, t, native, link, placement="block"):
     return {"algo": algo, "nodes": 2, "ranks_per_node": 2, "placement": placement, "rate": "1gbit",
             "bytes": 64 * MiB, "time_s": t, "native_time_s": native, "internode_bytes_per_node": link}

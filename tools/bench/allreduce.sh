@@ -10,6 +10,9 @@
 #   OUT=out/model NPS="1 2 3 4 5 6 7 8" SIZES=4k,64k,1m,16m EXTRA="--algos ring,shm" \
 #       tools/bench/allreduce.sh .venv
 #
+# torch.distributed over the "hpcdp" backend against gloo (docs/torch-distributed.md):
+#   OUT=out/backend NPS=2 SIZES=1m,16m,64m,256m EXTRA=--backend-compare tools/bench/allreduce.sh
+#
 # Writes one JSON line per size and round to $OUT/allreduce-<mpi>-np<N>.jsonl (field
 # "round"), then the summary of every point over the rounds (tools/bench/rounds.py) to
 # $OUT/allreduce-rounds.jsonl, and prints it.
@@ -50,5 +53,7 @@ for line in sys.stdin:
     done
   done
 done
-python3 tools/bench/rounds.py "$OUT"/allreduce-*-np*.jsonl >"$OUT/allreduce-rounds.jsonl"
+summary=()
+case " ${EXTRA:-} " in *" --backend-compare "*) summary=(--backend) ;; esac
+python3 tools/bench/rounds.py "${summary[@]}" "$OUT"/allreduce-*-np*.jsonl >"$OUT/allreduce-rounds.jsonl"
 cat "$OUT/allreduce-rounds.jsonl"

@@ -8,8 +8,12 @@ hold its bound (4 of 5).
     python3 tools/bench/rounds.py out/bench/allreduce-*-np*.jsonl > allreduce-rounds.jsonl
 
 One JSON line per (MPI, ranks, size): every round's ratio in round order, their median,
-min and max, the bound, how many rounds held it and whether the point holds. Standard
-library only.
+min and max, the bound, how many rounds held it and whether the point holds.
+
+``--backend`` summarises ``--backend-compare`` rounds instead: ``dist.all_reduce`` over
+the "hpcdp" backend against gloo (``ratio_torch_hpcdp_to_gloo``, bound >= 3 from 16 MiB),
+with the median bus bandwidths of both, of native MPI and of ``hpcdp.allreduce``
+(``"bench": "backend-allreduce-rounds"``). Standard library only.
 """
 from __future__ import annotations
 
@@ -31,31 +35,44 @@ def bound(nbytes: int) -> float | None:
     return None
 
 
-def summarise(records: list[dict]) -> list[dict]:
+def backend_bound(nbytes: int) -> float | None:
+    """The backend's bound on gloo's time / the "hpcdp" backend's (None: no bound there)."""
+    return 3.0 if nbytes >= 16 * MiB else None
+
+
+# what each summary relates: the ratio field, its bound, the medians it also reports
+NATIVE = ("allreduce-rounds", "ratio", bound, ("hpcdp_time_s", "native_time_s"))
+BACKEND = ("backend-allreduce-rounds", "ratio_torch_hpcdp_to_gloo", backend_bound,
+           ("torch_hpcdp_busbw", "gloo_busbw", "native_busbw", "hpcdp_busbw"))
+
+
+def summarise(records: list[dict], kind=NATIVE) -> list[dict]:
+    name, key, bound_of, medians = kind
     points: dict[tuple, list[dict]] = {}
     for r in records:
         points.setdefault((r["mpi"], r["np"], r["bytes"]), []).append(r)
     out = []
     for (mpi, np_, nbytes), rs in sorted(points.items()):
         rs.sort(key=lambda r: r["round"])
-        ratios = [r["ratio"] for r in rs]
-        b = bound(nbytes)
+        ratios = [r[key] for r in rs]
+        b = bound_of(nbytes)
         held = None if b is None else sum(x >= b for x in ratios)
-        out.append({"bench": "allreduce-rounds", "mpi": mpi, "np": np_, "bytes": nbytes,
+        out.append({"bench": name, "mpi": mpi, "np": np_, "bytes": nbytes,
                     "algo": "/".join(sorted({r["algo"] for r in rs})), "rounds": len(rs),
                     "ratios": [round(x, 3) for x in ratios],
                     "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
                     "ratio_max": max(ratios),
-                    "hpcdp_time_s": statistics.median(r["hpcdp_time_s"] for r in rs),
-                    "native_time_s": statistics.median(r["native_time_s"] for r in rs),
+                    **{m: statistics.median(r[m] for r in rs) for m in medians},
                     "bound": b, "held": held,
                     "holds": None if b is None else 5 * held >= 4 * len(rs)})
     return out
 
 
-def main(paths: list[str]) -> int:
+def main(args: list[str]) -> int:
+    kind = BACKEND if "--backend" in args else NATIVE
+    paths = [a for a in args if a != "--backend"]
     records = [json.loads(line) for p in paths for line in open(p) if line.strip()]
-    for rec in summarise([r for r in records if r.get("bench") == "allreduce" and "round" in r]):
+    for rec in summarise([r for r in records if r.get("bench") == "allreduce" and "round" in r], kind):
         print(json.dumps(rec))
     return 0
 
