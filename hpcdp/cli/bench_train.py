@@ -246,7 +246,7 @@ class _Bench:
         ref = {(r.mode, r.compression): r for r in runners
                if r.bucket_mb in (None, args.bucket_mb) and r.algo in (None, a0)}
         out = {"bench": "train-summary", "model": self.model_name, "np": self.size,
-               "global_batch": self.B}
+               "nodes": len(self.rt.nodes), "global_batch": self.B, "mpi": self.rt.vendor}
         paired = self.rounds == self.steps
         if ("ddp-hpcdp", None) in ref and ("ddp", None) in ref:  # the backend against gloo
             theirs, ours = ref[("ddp", None)], ref[("ddp-hpcdp", None)]

@@ -59,6 +59,7 @@ def test_all_modes_and_the_bucket_sweep_report_one_record_each():
     assert len(summary) == 1 and {"hpcdp_over_naive", "hpcdp_over_ddp", "exposed_hpcdp_over_naive",
                                   "exposed_hpcdp_over_ddp", "ddp-hpcdp_over_ddp",
                                   "exposed_ddp-hpcdp_over_ddp"} <= set(summary[0])
+    assert summary[0]["nodes"] == 1 and summary[0]["mpi"] == train[0]["mpi"]
     ours, gloo = by_mode[("ddp-hpcdp", None)], by_mode[("ddp", None)]
     assert summary[0]["ddp-hpcdp_over_ddp"] == pytest.approx(ours["step_time_s"] / gloo["step_time_s"])
 
