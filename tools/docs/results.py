@@ -202,16 +202,34 @@ SPECS = {
     },
     "backend-allreduce": {
         "file": "backend-allreduce.jsonl",
-        "command": "mpirun -np 2 hpcdp-bench allreduce --backend-compare --sizes 1m,16m,64m "
-                   "--trials 5 > docs/results/backend-allreduce.jsonl",
-        "where": {"bench": "allreduce"},
+        "command": "OUT=out/backend ROUNDS=5 NPS=2 SIZES=1m,16m,64m,256m EXTRA=--backend-compare "
+                   "tools/bench/allreduce.sh .venv .venv-ompi && "
+                   "cp out/backend/allreduce-rounds.jsonl docs/results/backend-allreduce.jsonl",
+        "where": {"bench": "backend-allreduce-rounds"},
         "columns": [("MPI", "mpi", "str"), ("ranks", "np", "int"), ("size", "bytes", "size"),
                     ("dist.all_reduce over hpcdp (GB/s)", "torch_hpcdp_busbw", "num1"),
                     ("over gloo (GB/s)", "gloo_busbw", "num1"),
                     ("MPI_Allreduce (GB/s)", "native_busbw", "num1"),
                     ("hpcdp.allreduce, numpy (GB/s)", "hpcdp_busbw", "num1"),
-                    ("hpcdp / gloo", "ratio_torch_hpcdp_to_gloo", "ratio"),
-                    ("hpcdp / native", "ratio_torch_hpcdp_to_native", "ratio")],
+                    ("hpcdp / gloo, median", "ratio_median", "ratio"),
+                    ("every round", "ratios", "ratios"), ("bound", "bound", "num"),
+                    ("rounds held", "held", "int"), ("holds", "holds", "bool")],
+    },
+    "backend-ddp": {
+        "file": "backend-ddp.jsonl",
+        "command": "for r in 1 2 3 4; do for v in .venv .venv-ompi; do $v/bin/mpirun -np 2 "
+                   "$v/bin/hpcdp-bench train --model mlp-large --global-batch 1024 --modes ddp,ddp-hpcdp "
+                   "--steps 20 --bucket-sweep ''; done; done > docs/results/backend-ddp.jsonl\n"
+                   "for r in 1 2 3 4; do python tools/cluster/bench_train.py --rates 2gbit "
+                   "--out docs/results/backend-ddp.jsonl -- --model mlp-large --global-batch 1024 "
+                   "--modes ddp,ddp-hpcdp --steps 20 --bucket-sweep ''; done",
+        "where": {"bench": "train-summary"},
+        "columns": [("MPI", "mpi", "str"), ("nodes", "nodes", "int"),
+                    ("link (none: one node)", "rate", "str"), ("ranks", "np", "int"),
+                    ("model", "model", "str"), ("batch", "global_batch", "int"),
+                    ("step, DDP on hpcdp / on gloo", "ddp-hpcdp_over_ddp", "ratio"),
+                    ("paired, median of per-step ratios", "paired_ddp-hpcdp_over_ddp", "ratio"),
+                    ("exposed comm, hpcdp / gloo", "exposed_ddp-hpcdp_over_ddp", "ratio")],
     },
     "cluster-synthetic": {
         "file": "cluster-synthetic.jsonl",
