@@ -56,6 +56,9 @@ _TRAIN_COLUMNS = [("model", "model", "str"), ("mode", "mode", "str"), ("compress
 _POINT_COLUMNS = [("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "int"),
                   ("placement", "placement", "str"), ("link", "rate", "str"), ("algo", "algo", "str"),
                   ("size", "bytes", "size"), ("rounds", "rounds", "int")]
+# a one-node allreduce point measured over rounds, and whether its bound held
+_ONE_NODE_POINT = [("MPI", "mpi", "str"), ("ranks", "np", "int"), ("size", "bytes", "size")]
+_ROUNDS_HELD = [("bound", "bound", "num"), ("rounds held", "held", "int"), ("holds", "holds", "bool")]
 _CLUSTER_DDP = ("python tools/cluster/bench_train.py --rates 1gbit --nodes 2 --ranks-per-node 2 "
                 "--placement block --out docs/results/cluster-ddp.jsonl -- --model mlp-large "
                 "--global-batch 1024 --modes hpcdp --algos ring,auto --bucket-sweep ''")
@@ -101,12 +104,10 @@ SPECS = {
         "command": "OUT=out/bench ROUNDS=5 tools/bench/allreduce.sh .venv .venv-ompi && "
                    "cp out/bench/allreduce-rounds.jsonl docs/results/",
         "where": {"bench": "allreduce-rounds"},
-        "columns": [("MPI", "mpi", "str"), ("ranks", "np", "int"), ("size", "bytes", "size"),
-                    ("default algo", "algo", "str"), ("hpcdp (us)", "hpcdp_time_s", "us"),
-                    ("MPI_Allreduce (us)", "native_time_s", "us"),
-                    ("native / hpcdp, median", "ratio_median", "ratio"),
-                    ("every round", "ratios", "ratios"), ("bound", "bound", "num"),
-                    ("rounds held", "held", "int"), ("holds", "holds", "bool")],
+        "columns": _ONE_NODE_POINT + [
+            ("default algo", "algo", "str"), ("hpcdp (us)", "hpcdp_time_s", "us"),
+            ("MPI_Allreduce (us)", "native_time_s", "us"), ("native / hpcdp, median", "ratio_median", "ratio"),
+            ("every round", "ratios", "ratios")] + _ROUNDS_HELD,
     },
     "cluster-allreduce": {
         "file": "cluster-allreduce.jsonl",
@@ -206,14 +207,12 @@ SPECS = {
                    "tools/bench/allreduce.sh .venv .venv-ompi && "
                    "cp out/backend/allreduce-rounds.jsonl docs/results/backend-allreduce.jsonl",
         "where": {"bench": "backend-allreduce-rounds"},
-        "columns": [("MPI", "mpi", "str"), ("ranks", "np", "int"), ("size", "bytes", "size"),
-                    ("dist.all_reduce over hpcdp (GB/s)", "torch_hpcdp_busbw", "num1"),
-                    ("over gloo (GB/s)", "gloo_busbw", "num1"),
-                    ("MPI_Allreduce (GB/s)", "native_busbw", "num1"),
-                    ("hpcdp.allreduce, numpy (GB/s)", "hpcdp_busbw", "num1"),
-                    ("hpcdp / gloo, median", "ratio_median", "ratio"),
-                    ("every round", "ratios", "ratios"), ("bound", "bound", "num"),
-                    ("rounds held", "held", "int"), ("holds", "holds", "bool")],
+        "columns": _ONE_NODE_POINT + [
+            ("dist.all_reduce over hpcdp (GB/s)", "torch_hpcdp_busbw", "num1"),
+            ("over gloo (GB/s)", "gloo_busbw", "num1"), ("MPI_Allreduce (GB/s)", "native_busbw", "num1"),
+            ("hpcdp.allreduce, numpy (GB/s)", "hpcdp_busbw", "num1"),
+            ("hpcdp / gloo, median", "ratio_median", "ratio"), ("every round", "ratios", "ratios")]
+            + _ROUNDS_HELD,
     },
     "backend-ddp": {
         "file": "backend-ddp.jsonl",
