@@ -124,8 +124,9 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         inp, out = staged.host(input), staged.host(output)
         check = ops.check(self.rt, ctx, "reduce_scatter", inp, ops.op_code(op))
         if op in ("SUM", "AVG") and _ours(input):
-            _parse_op(op.lower(), as_buffer(inp.detach(), "reduce_scatter input"))
-            body = ops.reduce_scatter(self.rt, ctx, out, inp, op == "AVG")
+            src = ops.host_buffer(inp, "reduce_scatter input")
+            _parse_op(op.lower(), src)
+            body = ops.reduce_scatter(self.rt, ctx, out, src, op == "AVG")
         else:
             _fold_check(op, input, "reduce_scatter", self._rank)
             body = ops.reduce_by_gathering(ctx, out, inp, op, self._rank * output.numel())

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from ..collectives import (DESCRIBE, _check_gen, _cfg, _slots)
-from ..comm.buffers import Buffer, as_buffer, host_ops
+from ..comm.buffers import Buffer, _tensor_numpy, host_ops
 from ..comm.hugepages import collapser
 from ..comm.dtypes import DTYPES, dtype_from_name
 from ..comm.ring import PlainFrames, ring_allreduce
 
-__all__ = ["Staged", "KINDS", "check", "allgather", "broadcast", "reduce_scatter",
+__all__ = ["Staged", "KINDS", "check", "host_buffer", "allgather", "broadcast", "reduce_scatter",
            "reduce_by_gathering", "alltoall", "gather", "scatter", "barrier"]
 
 #: argument-check kinds of the calls below (hpcdp's own allreduce and broadcast are 1, 2)
@@ -134,27 +134,32 @@ def broadcast(ctx, t: torch.Tensor, root: int):
     yield ctx.comm.Ibcast([as_bytes(t), ctx.MPI.BYTE], root)
 
 
-def reduce_scatter(rt, ctx, out: torch.Tensor, inp: torch.Tensor, average: bool):
-    """Generator: ``out`` = the sum (or average) over ranks of this rank's chunk of ``inp``.
+def host_buffer(t: torch.Tensor, name: str) -> Buffer:
+    """A contiguous CPU tensor of a dtype hpcdp reduces as a flat :class:`Buffer` (no copy).
+    Unlike ``as_buffer``, for memory MPI never touches: no huge-page collapse."""
+    d = dtype_from_name(dtype_name(t))
+    return Buffer(_tensor_numpy(t.detach().reshape(-1), d), t.numel(), d, host_ops(d), name)
 
-    1. rotate ``inp`` by one chunk into scratch memory, so that the ring chunk rank
-       ``r`` ends up owning (chunk ``r + 1``) is ``inp``'s chunk ``r``;
+
+def reduce_scatter(rt, ctx, out: torch.Tensor, src: Buffer, average: bool):
+    """Generator: ``out`` = the sum (or average) over ranks of this rank's chunk of ``src``
+    (the input, :func:`host_buffer`).
+
+    1. rotate the input by one chunk into scratch memory, so that the ring chunk rank
+       ``r`` ends up owning (chunk ``r + 1``) is the input's chunk ``r``;
     2. the ring's scatter-reduce over it (owner computes, in ring order);
     3. copy the owned chunk into ``out``.
     """
-    n, size = out.numel(), ctx.size
-    d = dtype_from_name(dtype_name(inp))
-    src = as_buffer(inp.detach().reshape(-1), "reduce_scatter input").data
+    n, size, d = out.numel(), ctx.size, src.dtype
     work = rt.scratch("reduce-scatter", n * size, d.storage)
-    work[n:] = src[:n * (size - 1)]
-    work[:n] = src[n * (size - 1):]
-    buf = Buffer(work, n * size, d, host_ops(d), "reduce_scatter input")
+    work[n:] = src.data[:n * (size - 1)]
+    work[:n] = src.data[n * (size - 1):]
+    buf = Buffer(work, n * size, d, host_ops(d), src.name)
     ctx.at("reduce-scatter (ring)")
     yield from ring_allreduce(ctx, buf.n, PlainFrames(buf, average, size),
                               rt.tmp(buf, _slots(d.itemsize)), _cfg, d.itemsize, allgather=False)
     owned = (ctx.rank + 1) % size
-    dst = as_buffer(out.detach().reshape(-1), "reduce_scatter output").data
-    dst[:] = work[owned * n:(owned + 1) * n]
+    host_buffer(out, "reduce_scatter output").data[:] = work[owned * n:(owned + 1) * n]
 
 
 def reduce_by_gathering(ctx, out: torch.Tensor, inp: torch.Tensor, op: str, lo: int = 0):

@@ -123,6 +123,20 @@ def test_reduce_scatter(pg, n, dtype, op):
     assert torch.equal(listed, out)
 
 
+def test_reduce_scatter_leaves_its_buffers_pages_alone(pg, monkeypatch):
+    """Its input and output are only copied (the ring runs on scratch memory): a huge-page
+    collapse of either would cost a copy and save nothing, so the collapser never sees them
+    (a first call must not count as a buffer's second sighting)."""
+    from hpcdp.comm import hugepages
+    seen = []
+    monkeypatch.setattr(hugepages.collapser(), "see", lambda a, n: seen.append(a))
+    size = dist.get_world_size()
+    inp, out = torch.ones(size * 4096), torch.empty(4096)
+    dist.reduce_scatter_tensor(out, inp)
+    assert torch.equal(out, torch.full((4096,), float(size)))
+    assert inp.data_ptr() not in seen and out.data_ptr() not in seen, seen
+
+
 def test_all_to_all(pg):
     rank, size = dist.get_rank(), dist.get_world_size()
     inp = torch.arange(size * 3, dtype=torch.float32) + 100 * rank
