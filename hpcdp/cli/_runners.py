@@ -15,12 +15,13 @@ A variant is ``(mode, bucket MiB or None, compression or None, algo or None)``:
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
 
-__all__ = ["HPCDP_MODES", "TORCH_DDP_MODES", "TORCH_HOOKS", "NO_CUDA", "Runner", "close", "compression_list", "csv_list",
-           "cuda_refused", "hpcdp_compressor", "has_torch_hook"]
+__all__ = ["HPCDP_MODES", "TORCH_DDP_MODES", "TORCH_HOOKS", "NO_CUDA", "Runner", "bench_comms", "close",
+           "compression_list", "csv_list", "cuda_refused", "hpcdp_compressor", "has_torch_hook"]
 
 HPCDP_MODES = ("hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace")
 TORCH_DDP_MODES = ("ddp", "ddp-hpcdp")
@@ -126,6 +127,20 @@ def _forward(done, out) -> None:
         out.set_result(done.value())
     except Exception as exc:  # noqa: BLE001
         out.set_exception(exc)
+
+
+def bench_comms(rt, device: str) -> dict:
+    """What every :class:`Runner` takes beside its variant: ``native`` (the control
+    communicator, a duplicate of the job's; :func:`close` frees it), ``gloo`` and ``hpcdp``
+    (torch groups, made at their first call: gloo the default group, "hpcdp" beside it),
+    ``device`` (``--device``: this rank's GPU or the CPU) and ``trace_dir`` (None until the
+    benchmark sets it)."""
+    import torch
+
+    from ._torch_groups import gloo_group, hpcdp_group
+    return {"native": rt.comm.Dup(), "gloo": lambda: gloo_group(rt),
+            "hpcdp": functools.cache(lambda: hpcdp_group(rt)), "trace_dir": None,
+            "device": torch.device(rt.device if device == "cuda" else "cpu")}
 
 
 class Runner:

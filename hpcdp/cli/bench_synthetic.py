@@ -56,8 +56,8 @@ import sys
 import time
 import types
 
-from ._runners import (HPCDP_MODES, Runner, close, compression_list, csv_list, cuda_refused,
-                       has_torch_hook)
+from ._runners import (HPCDP_MODES, Runner, bench_comms, close, compression_list, csv_list,
+                       cuda_refused, has_torch_hook)
 
 _MODES = ("hpcdp", "hpcdp-sync", "ddp", "local")
 
@@ -232,15 +232,12 @@ def main(argv=None) -> int:
     from hpcdp._runtime import runtime
 
     from .. import models
-    from ._torch_groups import gloo_group
     torch.set_num_threads(args.threads)
     hpcdp.init()
     rt = runtime()
     if cuda_refused(rt, args.device, "hpcdp-bench synthetic"):
         return 2
-    native = rt.comm.Dup()
-    comms = {"native": native, "gloo": lambda: gloo_group(rt), "trace_dir": None,
-             "device": torch.device(rt.device if args.device == "cuda" else "cpu")}
+    comms = bench_comms(rt, args.device)
     try:
         bench = _Bench(args, rt, comms)
     except ValueError as exc:  # e.g. a sequence longer than the model's positions: every rank alike
@@ -264,7 +261,7 @@ def main(argv=None) -> int:
         if rt.rank == 0:
             print("\n".join(_horovod_lines(bench, r)), flush=True)
             print(json.dumps(_record(bench, r, runners, after)), flush=True)
-    close(native)
+    close(comms["native"])
     return 0
 
 

@@ -87,7 +87,7 @@ import tempfile
 import time
 
 from ._runners import HPCDP_MODES as _HPCDP_MODES
-from ._runners import NO_CUDA, Runner, close, compression_list, csv_list
+from ._runners import NO_CUDA, Runner, bench_comms, close, compression_list, csv_list
 
 _DEFAULT_STEPS = {"mlp-small": (40, 5), "mlp-medium": (20, 3), "mlp-large": (12, 2),
                   "mlp-xlarge": (8, 2), "digits": (100, 10)}
@@ -358,16 +358,12 @@ def main(argv=None) -> int:
         if rt.rank == 0:
             print(f"hpcdp-bench train: {error}", file=sys.stderr)
         return 2
-    import torch
-
-    from ._torch_groups import gloo_group, hpcdp_group
-    native = rt.comm.Dup()
+    comms = bench_comms(rt, args.device)
+    native = comms["native"]
     trace_dir = args.trace_dir
     if "hpcdp-trace" in modes and trace_dir is None:
         trace_dir = native.bcast(tempfile.mkdtemp(prefix="hpcdp-bench-trace-") if rt.rank == 0 else None)
-    comms = {"native": native, "gloo": lambda: gloo_group(rt),
-             "hpcdp": functools.cache(lambda: hpcdp_group(rt)), "trace_dir": trace_dir,
-             "device": torch.device(rt.device if args.device == "cuda" else "cpu")}
+    comms["trace_dir"] = trace_dir
     variants = _variants(modes, compressions, algos, args.bucket_mb, sweep)
     try:
         ok = all(_bench_model(m, variants, compressions, algos, args, rt, comms) for m in models)
