@@ -66,8 +66,7 @@ def _check_gen(rt, ctx, what: str, kind: int, buf, op: int, extra: int):
     """
     if ctx.size == 1:
         return
-    mine = (kind, buf.n, buf.dtype.code, op, extra)
-    mismatch = functools.partial(_raise_mismatch, ctx.rank, what, buf)
+    mine, mismatch = _signature(ctx.rank, what, buf, (kind, buf.n, buf.dtype.code, op, extra))
     if rt.local_size == rt.size == ctx.size:
         ctx.at("argument check (a flag round of the node's shared memory)")
         yield from node_round(ctx, rt.node_window(), (mine, mismatch))
@@ -80,9 +79,10 @@ def _check_gen(rt, ctx, what: str, kind: int, buf, op: int, extra: int):
         mismatch(everyone)
 
 
-def _signature(rt, what: str, buf, mine: tuple):
-    """``(signature, on_mismatch)`` for a flag round that checks the call's arguments."""
-    return mine, functools.partial(_raise_mismatch, rt.rank, what, buf)
+def _signature(rank: int, what: str, buf, mine: tuple):
+    """``(signature, on_mismatch)`` for a flag round that checks the call's arguments
+    (``on_mismatch(everyone)`` raises, naming what each rank passed)."""
+    return mine, functools.partial(_raise_mismatch, rank, what, buf)
 
 
 def _allreduce_extra(comp, algo: str) -> int:
@@ -258,7 +258,7 @@ def _shm_call(rt, ctx, buf, op: int, check: bool) -> None:
 
 def _shm_signature(rt, buf, op: int):
     mine = (_ALLREDUCE, buf.n, buf.dtype.code, op, _allreduce_extra(None, "shm"))
-    return _signature(rt, "allreduce", buf, mine)
+    return _signature(rt.rank, "allreduce", buf, mine)
 
 
 def _fits_one_message(buf, size: int) -> bool:
