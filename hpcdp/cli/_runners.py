@@ -20,15 +20,27 @@ import os
 import sys
 import time
 
-__all__ = ["HPCDP_MODES", "TORCH_DDP_MODES", "TORCH_HOOKS", "NO_CUDA", "Runner", "bench_comms", "close",
-           "compression_list", "csv_list", "cuda_refused", "hpcdp_compressor", "has_torch_hook"]
+__all__ = ["HPCDP_MODES", "TORCH_DDP_MODES", "TORCH_HOOKS", "Runner", "bench_comms", "close",
+           "compression_list", "csv_list", "cuda_refused", "hpcdp_compressor", "has_torch_hook",
+           "start_runtime"]
 
 HPCDP_MODES = ("hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace")
 TORCH_DDP_MODES = ("ddp", "ddp-hpcdp")
 TORCH_HOOKS = ("fp16", "bf16", "powersgd")
 # torch's PowerSGD needs error feedback's first two iterations exact; hpcdp's starts alike
 _POWERSGD_START = 2
-NO_CUDA = "--device cuda, but this process sees no CUDA device (no GPU, or a CPU-only torch build)"
+_NO_CUDA = "--device cuda, but this process sees no CUDA device (no GPU, or a CPU-only torch build)"
+
+
+def start_runtime(threads: int):
+    """hpcdp's runtime for a training benchmark, torch at ``threads`` threads per rank."""
+    import torch
+
+    import hpcdp
+    from hpcdp._runtime import runtime
+    torch.set_num_threads(threads)
+    hpcdp.init()
+    return runtime()
 
 
 def cuda_refused(rt, device: str, prog: str) -> bool:
@@ -36,7 +48,7 @@ def cuda_refused(rt, device: str, prog: str) -> bool:
     if device != "cuda" or rt.cuda:
         return False
     if rt.rank == 0:
-        print(f"{prog}: {NO_CUDA}", file=sys.stderr)
+        print(f"{prog}: {_NO_CUDA}", file=sys.stderr)
     return True
 
 

@@ -57,7 +57,7 @@ import time
 import types
 
 from ._runners import (HPCDP_MODES, Runner, bench_comms, close, compression_list, csv_list,
-                       cuda_refused, has_torch_hook)
+                       cuda_refused, has_torch_hook, start_runtime)
 
 _MODES = ("hpcdp", "hpcdp-sync", "ddp", "local")
 
@@ -226,15 +226,10 @@ def main(argv=None) -> int:
         print(f"hpcdp-bench synthetic: {checked}", file=sys.stderr)
         return 2
     modes, compressions = checked
-    import torch
-
     import hpcdp
-    from hpcdp._runtime import runtime
 
     from .. import models
-    torch.set_num_threads(args.threads)
-    hpcdp.init()
-    rt = runtime()
+    rt = start_runtime(args.threads)
     if cuda_refused(rt, args.device, "hpcdp-bench synthetic"):
         return 2
     comms = bench_comms(rt, args.device)

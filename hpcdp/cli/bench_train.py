@@ -87,7 +87,8 @@ import tempfile
 import time
 
 from ._runners import HPCDP_MODES as _HPCDP_MODES
-from ._runners import NO_CUDA, Runner, bench_comms, close, compression_list, csv_list
+from ._runners import (Runner, bench_comms, close, compression_list, csv_list, cuda_refused,
+                       start_runtime)
 
 _DEFAULT_STEPS = {"mlp-small": (40, 5), "mlp-medium": (20, 3), "mlp-large": (12, 2),
                   "mlp-xlarge": (8, 2), "digits": (100, 10)}
@@ -330,22 +331,6 @@ def _lists(args):
     return models, modes, comps, algos or [None], sweep
 
 
-def _runtime_for(args):
-    """hpcdp's runtime, or an error message (rank 0 prints it)."""
-    import torch
-
-    import hpcdp
-    from hpcdp._runtime import runtime
-    torch.set_num_threads(args.threads)
-    hpcdp.init()
-    rt = runtime()
-    if args.global_batch < rt.size:
-        return rt, f"--global-batch {args.global_batch} < {rt.size} ranks"
-    if args.device == "cuda" and not rt.cuda:
-        return rt, NO_CUDA
-    return rt, None
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     lists = _lists(args)
@@ -353,10 +338,13 @@ def main(argv=None) -> int:
         print(f"hpcdp-bench train: {lists}", file=sys.stderr)
         return 2
     models, modes, compressions, algos, sweep = lists
-    rt, error = _runtime_for(args)
-    if error is not None:
+    rt = start_runtime(args.threads)
+    if args.global_batch < rt.size:
         if rt.rank == 0:
-            print(f"hpcdp-bench train: {error}", file=sys.stderr)
+            print(f"hpcdp-bench train: --global-batch {args.global_batch} < {rt.size} ranks",
+                  file=sys.stderr)
+        return 2
+    if cuda_refused(rt, args.device, "hpcdp-bench train"):
         return 2
     comms = bench_comms(rt, args.device)
     native = comms["native"]
