@@ -23,7 +23,7 @@ from .comm.nodewin import node_round
 from .comm.shm import shm_allreduce, shm_allreduce_blocking
 from .comm.spaces import space_for
 from .comm.lowrank import lowrank_allreduce
-from .comm.twolevel import slice_elements, two_level_allreduce
+from .comm.twolevel import codec_across, ring_across, slice_elements, two_level_allreduce, twophase_across
 from .comm.twophase import twophase_allreduce
 from .comm.waiting import drive
 from .compress.registry import code, code_name, resolve
@@ -39,6 +39,7 @@ _ALLREDUCE, _BROADCAST = 1, 2
 #: allreduce algorithms for uncompressed host buffers (``algo=``, ``HPCDP_ALGO``; ``"auto"``
 #: picks one of them per call by the cost model)
 ALGOS = ("ring", "shm", "two_level")
+_CHECKED_ALGOS = ALGOS + ("auto",)  # (a low-rank codec's call is checked with what was asked)
 _ALGO_SHIFT = 8  # the argument check carries the algorithm above the compressor's code
 
 _cfg = RingConfig(int(os.environ.get("HPCDP_SEGMENT_BYTES", 1 << 20)),
@@ -87,7 +88,7 @@ def _signature(rank: int, what: str, buf, mine: tuple):
 
 def _allreduce_extra(comp, algo: str) -> int:
     """The argument check's ``extra`` field of an allreduce: compressor code and algorithm."""
-    return code(comp) | ALGOS.index(algo) << _ALGO_SHIFT
+    return code(comp) | _CHECKED_ALGOS.index(algo) << _ALGO_SHIFT
 
 
 def _describe_allreduce(fields) -> str:
@@ -95,7 +96,7 @@ def _describe_allreduce(fields) -> str:
     algo = extra >> _ALGO_SHIFT
     return (f"allreduce of {n} elements of {dtype_from_code(dtype)}, op={_OP_NAMES.get(op, op)}, "
             f"compression={code_name(extra & ((1 << _ALGO_SHIFT) - 1))}, "
-            f"algo={ALGOS[algo] if algo < len(ALGOS) else algo}")
+            f"algo={_CHECKED_ALGOS[algo] if algo < len(_CHECKED_ALGOS) else algo}")
 
 
 def _describe_broadcast(fields) -> str:
@@ -127,9 +128,12 @@ def _raise_mismatch(rank: int, what: str, buf, everyone: list) -> None:
 
 # -- allreduce --------------------------------------------------------------------------------
 def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, state, algo="ring"):
-    """Generator: the check, then the shared-memory allreduce, the plain ring, a ring codec's
-    ring or a two-phase codec."""
+    """Generator: the check, then the shared-memory allreduce, the two-level one, the plain
+    ring, a ring codec's ring, a two-phase or a low-rank codec."""
     average = op == _OPS["avg"]
+    if comp is not None and comp.collective == "lowrank":
+        yield from _lowrank_gen(rt, ctx, buf, op, check, comp, state, algo)
+        return
     if algo == "shm":
         sig = _shm_signature(rt, buf, op) if check else None
         if sig is not None and not rt.node_data_ready():
@@ -147,18 +151,15 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
     if check:
         yield from _check_gen(rt, ctx, "allreduce", _ALLREDUCE, buf, op, _allreduce_extra(comp, algo))
     window = rt.node_data() if algo == "two_level" else None
+    if comp is not None and comp.collective != "ring":
+        state = rt.codec_states.get(comp, buf.name, buf.n) if state is None else state
     if window is not None:
-        yield from _two_level_gen(rt, ctx, window, buf, average, comp)
+        yield from _two_level_gen(rt, ctx, window, buf, average, comp, state)
     elif comp is None:
         yield from _plain_gen(rt, ctx, buf, average, blocking)
     elif comp.collective == "two_phase":
-        state = rt.codec_states.get(comp, buf.name, buf.n) if state is None else state
         yield from twophase_allreduce(ctx, buf.data, comp, state, average,
                                       space_for(buf, rt.cuda_aware))
-    elif comp.collective == "lowrank":
-        state = rt.codec_states.get(comp, buf.name, buf.n) if state is None else state
-        yield from lowrank_allreduce(ctx, buf.data, comp, state, average,
-                                     functools.partial(_ring_of, rt, ctx, buf.name))
     else:
         space = space_for(buf, rt.cuda_aware)
         frames, tmp = _codec_frames(rt, buf, comp, space, 1.0 / rt.size if average else 1.0)
@@ -173,25 +174,34 @@ def _slots(itemsize: int) -> int:
     return _cfg.window * max(1, _cfg.segment_bytes // itemsize)
 
 
-def _two_level_gen(rt, ctx, window, buf, average: bool, comp=None):
-    """Generator: the two-level allreduce with this rank's cross-node context, if it has one
-    (with a ring codec, its ring across nodes sends the codec's frames)."""
+def _two_level_gen(rt, ctx, window, buf, average: bool, comp=None, state=None):
+    """Generator: the two-level allreduce, with this rank's stage across nodes (if it has
+    one): the plain ring, a ring codec's ring, or a two-phase codec."""
     comm, slices = rt.cross()
-    cross = None
+    across = None
     if comm is not None:
         cross = OpContext(comm, rt.MPI, ctx.tag, ctx.stats, None, ctx.yield_cpu)
         cross.where = ctx.where
-    if comp is None:
-        yield from two_level_allreduce(ctx, window, cross, slices, buf, average, rt.size,
-                                       rt.tmp(buf, _slots(buf.dtype.itemsize)), _cfg)
-        return
-    wire_dtype = np.dtype(comp.wire_dtype)
-    wire = rt.scratch("wire", slice_elements(window, buf, slices), wire_dtype)
-    yield from two_level_allreduce(ctx, window, cross, slices, buf, average, rt.size,
-                                   rt.scratch("wire-tmp", _slots(wire_dtype.itemsize), wire_dtype),
-                                   _cfg, comp, wire)
-    if ctx.stats is not None:  # (every rank holds the same bits, so the same answer)
+        across = _across(rt, cross, window, buf, comp, state, slices)
+    yield from two_level_allreduce(ctx, window, slices, buf, average, rt.size, across)
+    if comp is not None and comp.collective == "two_phase":
+        state.step += 1  # (every rank's: its slices' states follow it, see OneBitState.part)
+    elif comp is not None and ctx.stats is not None:  # (the same bits everywhere, so the same answer)
         ctx.stats["nonfinite"] = not bool(np.isfinite(buf.data).all())
+
+
+def _across(rt, cross, window, buf, comp, state, slices: int):
+    """This rank's two-level stage across nodes (see :mod:`hpcdp.comm.twolevel`)."""
+    if comp is None:
+        return functools.partial(ring_across, cross, buf, rt.size,
+                                 rt.tmp(buf, _slots(buf.dtype.itemsize)), _cfg)
+    if comp.collective == "two_phase":
+        return functools.partial(twophase_across, cross, comp, state, buf.ops, rt.size)
+    wire_dtype = np.dtype(comp.wire_dtype)
+    return functools.partial(codec_across, cross, comp,
+                             rt.scratch("wire", slice_elements(window, buf, slices), wire_dtype),
+                             rt.size, rt.scratch("wire-tmp", _slots(wire_dtype.itemsize), wire_dtype),
+                             _cfg)
 
 
 def _codec_frames(rt, buf, comp, space, scale: float):
@@ -230,9 +240,29 @@ def _plain_gen(rt, ctx, buf, average: bool, blocking: bool):
                                   rt.tmp(buf, _slots(buf.dtype.itemsize)), _cfg, buf.dtype.itemsize)
 
 
-def _ring_of(rt, ctx, name: str, data, average: bool):
-    """Generator: the plain ring over ``data`` (a codec's float32 buffer, host or device)."""
-    yield from _plain_gen(rt, ctx, as_buffer(data, name), average, False)
+def _lowrank_gen(rt, ctx, buf, op: int, check: bool, comp, state, algo: str):
+    """Generator: the check, then a low-rank codec (PowerSGD) whose sums take, each for its
+    size, what ``algo`` picks for a plain call (:func:`_sum_gen`)."""
+    if check:
+        yield from _check_gen(rt, ctx, "allreduce", _ALLREDUCE, buf, op, _allreduce_extra(comp, algo))
+    state = rt.codec_states.get(comp, buf.name, buf.n) if state is None else state
+    yield from lowrank_allreduce(ctx, buf.data, comp, state, op == _OPS["avg"],
+                                 functools.partial(_sum_gen, rt, ctx, buf.name, algo))
+
+
+def _sum_gen(rt, ctx, name: str, algo: str, data, average: bool):
+    """Generator: a low-rank codec's sum of ``data`` (float32, host or device) by the algorithm
+    a plain call of its size takes: through the node's shared memory, the two-level rings
+    across nodes, or the ring. The codec's call was checked already."""
+    buf = as_buffer(data, name)
+    algo = _pick_algo(rt, algo, buf, None)
+    window = rt.node_data() if algo in ("shm", "two_level") else None
+    if window is None:
+        yield from _plain_gen(rt, ctx, buf, average, False)
+    elif algo == "shm":
+        yield from shm_allreduce(ctx, window, buf, average)
+    else:
+        yield from _two_level_gen(rt, ctx, window, buf, average)
 
 
 def _small_allreduce(rt, ctx, buf, op: int, check: bool) -> None:
@@ -310,8 +340,10 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     local rank across nodes, see :mod:`hpcdp.comm.twolevel`) or ``"auto"`` (the cost
     model's pick for the size and topology, see :mod:`hpcdp.comm.costmodel`); default
     ``$HPCDP_ALGO`` or ``"auto"``. It applies to host buffers; device buffers keep the
-    ring, compressed calls too, except that fp16/bf16 compression composes with
-    ``"two_level"`` (only its ring across nodes is compressed).
+    ring. Compression composes with ``"two_level"``: fp16, bf16 and 1-bit compress its
+    stage across nodes only (the sums inside a node stay exact); PowerSGD's two sums of
+    factors take what ``algo`` picks for their sizes. Elsewhere compressed calls take the
+    ring (fp16, bf16) or their own exchange (1-bit).
     ``x`` must not be touched until the handle completes.
     """
     rt = runtime("allreduce_async()")
@@ -329,9 +361,9 @@ def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
 
 def _pick_algo(rt, algo, buf, comp) -> str:
     """The algorithm this call runs: ``algo``, else ``$HPCDP_ALGO`` (read at init), else
-    ``"auto"``; it applies to host buffers. Compressed calls take the ring, except that a
-    ring codec (fp16, bf16) takes ``two_level`` where the plain call would, compressing
-    its ring across nodes only."""
+    ``"auto"``; it applies to host buffers. A compressed call takes ``two_level`` where the
+    plain call would (the codec compresses its stage across nodes only), else the ring; a
+    low-rank codec (PowerSGD) keeps what was asked, and its sums pick for their sizes."""
     algo = algo or rt.algo
     if algo != "auto" and algo not in ALGOS:
         raise ValueError(f"rank {rt.rank}: allreduce of {buf.name!r}: algo must be one of auto, "
@@ -342,12 +374,14 @@ def _pick_algo(rt, algo, buf, comp) -> str:
                          "nodes: use algo='two_level' (or 'auto')")
     if buf.kind != "host":
         return "ring"
+    if comp is not None and comp.collective == "lowrank":
+        return algo  # (its sums pick each for their size, see _sum_gen)
     if algo == "auto":
         algo = rt.auto_algo(buf.n * buf.dtype.itemsize)
     if algo == "two_level" and len(rt.nodes) == 1:
         algo = "shm"  # one node: the two levels are one
-    if comp is not None:  # ring codecs compress two_level's ring across nodes; the rest: ring
-        return "two_level" if algo == "two_level" and comp.collective == "ring" else "ring"
+    if comp is not None:  # codecs compress two_level's stage across nodes; else the ring
+        return "two_level" if algo == "two_level" else "ring"
     return algo
 
 
@@ -362,7 +396,7 @@ def _prepare_allreduce(rt, x, op, name, check, blocking, stats, compression, sta
     algo = _pick_algo(rt, algo, buf, comp)
     ctx = OpContext(rt.comm, rt.MPI, rt.engine.next_tag(), stats, on_step, rt.engine.yield_cpu,
                     rt.rank, rt.size)
-    if algo == "shm" and blocking:  # run right here when the engine is idle, as the small ring
+    if algo == "shm" and blocking and comp is None:  # run right here when the engine is idle, as the small ring
         run = functools.partial(_shm_call, rt, ctx, buf, opcode, check)
     elif algo == "ring" and blocking and comp is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
         run = functools.partial(_small_allreduce, rt, ctx, buf, opcode, check)

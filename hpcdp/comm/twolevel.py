@@ -24,11 +24,20 @@ Local ranks ``>= S`` (on nodes with more ranks than the smallest) only contribut
 input and copy the result out: uneven nodes are correct, and their extra ranks add
 reduction work on their node but no link traffic.
 
-With a ring codec (fp16, bf16) only step 3's ring across nodes is compressed: the node's
-partial sums are exact float32, each hop of the cross ring decodes, adds in float32 and
-re-encodes (:class:`~hpcdp.comm.ring.CodecFrames`, every partial sum scaled by
-``1 / total`` for an average), and the owner's decoded frame is what every node copies
-out, so every rank still holds the same bits.
+Step 3's reduction across nodes is a pluggable stage (``across``: one of the ``*_across``
+generators below with its leading arguments bound), so compression applies there only and the node's partial
+sums stay exact:
+
+* :func:`ring_across`: the plain ring (float32 and every other dtype);
+* :func:`codec_across`: a ring codec (fp16, bf16): each hop of the cross ring decodes,
+  adds in float32 and re-encodes (:class:`~hpcdp.comm.ring.CodecFrames`, every partial sum
+  scaled by ``1 / total`` for an average), and the owner's decoded frame is what every
+  node copies out;
+* :func:`twophase_across`: a two-phase codec (1-bit), over the slice's node sums, with one
+  error-feedback state per segment's slice (:meth:`~hpcdp.compress.memory.OneBitState.part`):
+  every node decodes the same server frames.
+
+Either way every rank holds the same bits.
 """
 from __future__ import annotations
 
@@ -38,23 +47,22 @@ from .ring import CodecFrames, PlainFrames, ring_allreduce
 from .schedule import chunk_bounds
 from .shm import HALF_DTYPES, copy_in, copy_out, reduce_in_ring_order, segment_elements
 from .spaces import HOST
+from .twophase import twophase_allreduce
 
-__all__ = ["two_level_allreduce"]
+__all__ = ["two_level_allreduce", "slice_elements", "ring_across", "codec_across", "twophase_across"]
 
 
-def two_level_allreduce(ctx, window, cross, slices: int, buf, average: bool, total: int,
-                        tmp, cfg, codec=None, wire=None):
+def two_level_allreduce(ctx, window, slices: int, buf, average: bool, total: int, across):
     """Generator: in-place allreduce of host ``buf`` over all ranks of the job (see the
-    module docstring). ``cross``: this rank's :class:`~hpcdp.comm.op.OpContext` on its
-    cross-node communicator, ``None`` for local ranks ``>= slices`` (``S``); ``total``: the
-    job's number of ranks; ``tmp``, ``cfg``: the cross ring's receive slots and
-    configuration. ``codec``: a ring codec for the cross ring (float32 ``buf``), with
-    ``wire``, its frames' memory (at least :func:`slice_elements` elements; ``tmp`` then
-    holds frames too)."""
+    module docstring). ``slices``: ``S``; ``total``: the job's number of ranks; ``across``:
+    this rank's stage across nodes, ``across(acc, start, scale)`` (a generator reducing
+    the node's sum ``acc`` of this rank's slice of the segment at ``start`` over its cross
+    communicator, then dividing by ``total`` when ``scale``), ``None`` for local ranks
+    ``>= S``."""
     per = segment_elements(window, buf)
     for lo in range(0, buf.n, per):
-        yield from _segment(ctx, window, cross, slices, buf, lo, min(buf.n, lo + per), average,
-                            total, tmp, cfg, codec, wire)
+        yield from _segment(ctx, window, slices, buf, lo, min(buf.n, lo + per), average, total,
+                            across)
 
 
 def slice_elements(window, buf, slices: int) -> int:
@@ -62,37 +70,49 @@ def slice_elements(window, buf, slices: int) -> int:
     return -(-min(buf.n, segment_elements(window, buf)) // slices)
 
 
-def _segment(ctx, window, cross, slices, buf, lo, hi, average, total, tmp, cfg, codec, wire):
+def _segment(ctx, window, slices, buf, lo, hi, average, total, across):
     half = buf.dtype.name in HALF_DTYPES
     ctx.at("two-level allreduce: copy in")
     parts = copy_in(window, buf, lo, hi, average, total)
     yield from node_round(ctx, window)
     bounds = chunk_bounds(hi - lo, slices)
-    if cross is not None:
-        yield from _reduce_slice(ctx, cross, buf, parts, window.rank, bounds,
-                                 average and not half, total, tmp, cfg, codec, wire)
+    if across is not None:
+        ctx.at("two-level allreduce: reduce own slice in the node")
+        acc = reduce_in_ring_order(buf.ops, parts, window.rank, bounds, False, 1)
+        yield from across(acc, lo, average and not half)
     yield from node_round(ctx, window)
     ctx.at("two-level allreduce: copy out")
     copy_out(buf, lo, parts, bounds)
     window.half ^= 1
 
 
-def _reduce_slice(ctx, cross, buf, parts, k: int, bounds, scale: bool, total: int, tmp, cfg,
-                  codec, wire):
-    """Generator: slice ``k`` (this rank's) reduced over the node in place in its part (the
-    ring's order, :func:`~hpcdp.comm.shm.reduce_in_ring_order`), then across nodes by the
-    ring (``codec``'s frames, if given), then divided by ``total`` when ``scale``."""
-    ctx.at("two-level allreduce: reduce own slice in the node")
-    acc = reduce_in_ring_order(buf.ops, parts, k, bounds, False, 1)
-    n = bounds[k + 1] - bounds[k]
-    if codec is not None:
-        ctx.at(f"two-level allreduce: {codec.name} ring across nodes")
-        frames = CodecFrames(codec, acc, wire[:n], wire[:n], 1.0 / total if scale else 1.0, HOST)
-        yield from ring_allreduce(cross, n, frames, tmp, cfg, wire.itemsize)
-        return
+# -- the stage across nodes (bind the leading arguments with functools.partial) -------------
+def ring_across(cross, buf, total: int, tmp, cfg, acc, start: int, scale: bool):
+    """Generator: the plain ring over ``acc`` (a slice of ``buf``'s dtype); ``tmp``, ``cfg``:
+    its receive slots and configuration."""
+    n = len(acc)
     if cross.size > 1:
-        ctx.at("two-level allreduce: ring across nodes")
+        cross.at("two-level allreduce: ring across nodes")
         frames = PlainFrames(Buffer(acc, n, buf.dtype, buf.ops, buf.name), False, cross.size)
         yield from ring_allreduce(cross, n, frames, tmp, cfg, buf.dtype.itemsize)
     if scale:
         buf.ops.scale(acc, total)
+
+
+def codec_across(cross, codec, wire, total: int, tmp, cfg, acc, start: int, scale: bool):
+    """Generator: ring codec ``codec``'s frames over float32 ``acc``; ``wire``: the frames'
+    memory (at least :func:`slice_elements` elements), ``tmp``: receive slots of frames."""
+    n = len(acc)
+    cross.at(f"two-level allreduce: {codec.name} ring across nodes")
+    frames = CodecFrames(codec, acc, wire[:n], wire[:n], 1.0 / total if scale else 1.0, HOST)
+    yield from ring_allreduce(cross, n, frames, tmp, cfg, wire.itemsize)
+
+
+def twophase_across(cross, codec, state, ops, total: int, acc, start: int, scale: bool):
+    """Generator: two-phase codec ``codec`` over float32 ``acc`` across nodes (the sum), with
+    the error-feedback state of this slice (``state.part``), then / ``total`` when ``scale``."""
+    part = state.part(start, len(acc), cross.size, cross.rank)
+    cross.at(f"two-level allreduce: {codec.name} across nodes")
+    yield from twophase_allreduce(cross, acc, codec, part, False)
+    if scale:
+        ops.scale(acc, total)

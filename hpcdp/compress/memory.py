@@ -39,12 +39,17 @@ class OneBitState(BucketState):
     elements of chunk ``rank``): the same for this rank's server re-encoding.
     ``step`` counts encodes, warm-up steps included.
 
+    Under the two-level allreduce a rank compresses only its slices of the node's
+    sums, across nodes: each segment's slice has a state of its own in ``parts``
+    (:meth:`part`, keyed by the segment's first element), and this state's own
+    residuals stay zero.
+
     Residuals are per rank and per world size: save one state dict per rank.
     They are numpy arrays, or torch tensors on the bucket's device once a GPU
     bucket used the state (:meth:`to_device`).
     """
 
-    __slots__ = ("step", "worker_residual", "server_residual")
+    __slots__ = ("step", "worker_residual", "server_residual", "parts", "_saved_parts")
     kind = "onebit"
 
     def __init__(self, name, numel, world_size, rank):
@@ -53,6 +58,28 @@ class OneBitState(BucketState):
         self.step = 0
         self.worker_residual = np.zeros(self.numel, dtype=np.float32)
         self.server_residual = np.zeros(hi - lo, dtype=np.float32)
+        self.parts = {}         # segment start -> OneBitState of this rank's slice across nodes
+        self._saved_parts = {}  # segment start -> state dict from a checkpoint, restored on use
+
+    def part(self, start, numel, world_size, rank):
+        """The state of this rank's slice of the segment at ``start`` (``numel`` elements,
+        compressed across ``world_size`` nodes as node ``rank``): made on first use, from the
+        checkpoint's if one was loaded (which must match, see :meth:`load_state_dict`). Its
+        step follows this state's, so the warm-up ends for every slice with the bucket's."""
+        state = self.parts.get(start)
+        if state is None:
+            state = OneBitState(f"{self.name}[{start}:]", numel, world_size, rank)
+            saved = self._saved_parts.pop(start, None)
+            if saved is not None:
+                state.load_state_dict(saved)
+            self.parts[start] = state
+        elif (state.numel, state.world_size, state.rank) != (numel, world_size, rank):
+            raise ValueError(
+                f"bucket {self.name!r}: its slice from element {start} has {state.numel} "
+                f"elements over {state.world_size} nodes as node {state.rank}, this call "
+                f"{numel} over {world_size} as {rank}: a bucket's two-level layout must not change")
+        state.step = self.step
+        return state
 
     def __repr__(self):
         return f"{super().__repr__()[:-1]}, step={self.step})"
@@ -72,11 +99,11 @@ class OneBitState(BucketState):
         return self
 
     def residual_norm(self) -> float:
-        """L2 norm of the worker residual (what the divergence guard compares)."""
-        r = self.worker_residual
-        if isinstance(r, np.ndarray):
-            return float(np.sqrt(np.dot(r, r)))
-        return float(r.norm())
+        """L2 norm of the worker residuals, the bucket's and its two-level slices' (what the
+        divergence guard compares)."""
+        squares = [_norm(self.worker_residual) ** 2]
+        squares += [_norm(p.worker_residual) ** 2 for p in self.parts.values()]
+        return float(np.sqrt(sum(squares)))
 
     def state_dict(self):
         """Plain values and host numpy copies of the residuals, wherever they live."""
@@ -84,6 +111,8 @@ class OneBitState(BucketState):
         state["step"] = self.step
         state["worker_residual"] = _host_copy(self.worker_residual)
         state["server_residual"] = _host_copy(self.server_residual)
+        state["parts"] = {start: p.state_dict() for start, p in self.parts.items()}
+        state["parts"].update(self._saved_parts)
         return state
 
     def load_state_dict(self, state):
@@ -115,6 +144,14 @@ class OneBitState(BucketState):
 
                 target.copy_(torch.from_numpy(value))
         self.step = step
+        self.parts = {}
+        self._saved_parts = {int(start): part for start, part in state.get("parts", {}).items()}
+
+
+def _norm(residual) -> float:
+    if isinstance(residual, np.ndarray):
+        return float(np.sqrt(np.dot(residual, residual)))
+    return float(residual.norm())
 
 
 def _host_copy(residual):

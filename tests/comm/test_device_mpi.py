@@ -223,7 +223,8 @@ def test_fake_cuda_onebit_matches_host_over_steps(world, transport, op, n):
 @pytest.mark.parametrize("n", [0, 7, 70_001])
 def test_fake_cuda_powersgd_matches_host_over_steps(world, transport, n):
     """PowerSGD computes with torch on the tensor's device: the same bits and error memory
-    as the host path, through its uncompressed start and after."""
+    as the host path with its sums on the ring (the device path's), through its uncompressed
+    start and after."""
     size, rank = world.Get_size(), world.Get_rank()
     comp = PowerSGD(rank=2, start_steps=1)
     host_state = comp.new_state(n, size, rank, name="host")
@@ -231,7 +232,8 @@ def test_fake_cuda_powersgd_matches_host_over_steps(world, transport, n):
     for step in range(3):
         x = _grads(rank, n, seed=step)
         host, host_stats = x.copy(), {}
-        hpcdp.allreduce(host, op="avg", compression=comp, state=host_state, stats=host_stats)
+        hpcdp.allreduce(host, op="avg", compression=comp, state=host_state, stats=host_stats,
+                        algo="ring")
         mem, stats = x.copy(), {}
         hpcdp.allreduce(FakeCudaTensor.of(mem), op="avg", compression=comp, state=dev_state,
                         stats=stats)

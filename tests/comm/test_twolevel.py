@@ -1,6 +1,7 @@
 """The two-level allreduce across pretend nodes (``HPCDP_FAKE_NODES`` splits one machine's
 ranks), even and uneven, 2 to 5 ranks: sums against a float64 reference, the same bits on
-every rank, blocking and async, ``algo="auto"``, the bytes each node sends, and a mismatch
+every rank, blocking and async, ``algo="auto"``, the bytes each node sends, fp16, bf16,
+1-bit and PowerSGD composed with it, and a mismatch
 between ranks that pick different algorithms (the job asserts on every rank)."""
 import pytest
 
@@ -10,10 +11,13 @@ JOB = "tests/comm/twolevel_job.py"
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("nodes", ["2,2", "3,1", "1,2,1", "2,3"])
-def test_two_level_on_pretend_nodes(nodes):
+@pytest.mark.parametrize("nodes, segment", [("2,2", None), ("3,1", None), ("1,2,1", None),
+                                            ("2,3", 1 << 18)])
+def test_two_level_on_pretend_nodes(nodes, segment):
+    """(``segment``: a smaller window, so that 300,001 elements take several segments.)"""
     np_ = sum(int(c) for c in nodes.split(","))
-    p = run_mpi(np_, [JOB], timeout=150, env={"HPCDP_FAKE_NODES": nodes})
+    env = {"HPCDP_FAKE_NODES": nodes} | ({"HPCDP_SHM_BYTES": str(segment)} if segment else {})
+    p = run_mpi(np_, [JOB], timeout=150, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"OK nodes=[{nodes.replace(',', ', ')}]" in p.stdout, p.stdout + p.stderr
 

@@ -8,9 +8,13 @@ import numpy as np
 
 import hpcdp
 from hpcdp._runtime import runtime
+from hpcdp.comm.schedule import chunk_bounds
+from hpcdp.compress import OneBit, OneBitState, PowerSGD
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compress"))
 from bits import assert_identical_everywhere, rank_inputs  # noqa: E402
+from oracle import simulate_onebit_allreduce, simulate_powersgd_allreduce  # noqa: E402
 
 LENGTHS = [0, 1, 3, 17, 1001, 65537, 300_001]
 DTYPES = [np.float16, np.float32, np.float64, np.int64]
@@ -93,6 +97,135 @@ def check_compressed(rt):
     assert stats["nonfinite"] is True, f"rank {rank}: {stats}"
 
 
+def onebit_reference(rt, arrays, states, comp, step, average):
+    """What two_level with 1-bit gives, simulated: per segment and slice k, every node's sum of
+    slice k (in the node's ring order from local rank k, exact float32) compressed across the
+    nodes by the two-phase simulation, with one state per (segment, slice) and node."""
+    nodes, total, n = rt.nodes, rt.size, len(arrays[0])
+    slices, per = min(len(r) for r in nodes), rt.node_data().capacity // 4
+    out = np.empty(n, np.float32)
+    for lo in range(0, n, per):
+        bounds = chunk_bounds(min(n, lo + per) - lo, slices)
+        for k in range(slices):
+            a, b = lo + bounds[k], lo + bounds[k + 1]
+            sums = []
+            for ranks in nodes:
+                acc = arrays[ranks[k]][a:b].copy()
+                for i in range(1, len(ranks)):
+                    acc += arrays[ranks[(k + i) % len(ranks)]][a:b]
+                sums.append(acc)
+            parts = states.setdefault((lo, k), [OneBitState("ref", b - a, len(nodes), j)
+                                                for j in range(len(nodes))])
+            for part in parts:
+                part.step = step
+            res = simulate_onebit_allreduce(sums, parts, comp)[0] * np.float32(len(nodes))
+            out[a:b] = np.divide(res, np.float32(total)) if average else res
+    return out
+
+
+def check_onebit(rt):
+    """1-bit composes with two_level: only the stage across nodes is compressed (the node's
+    sums stay exact); the simulation's bits on every rank, step after step (warm-up, then
+    compressed, with error feedback per slice); link bytes per node are 1-bit frames."""
+    rank, size, nodes = rt.rank, rt.size, len(rt.nodes)
+    comp = OneBit(warmup_steps=1)
+    for n, op in ((1, "avg"), (17, "sum"), (300_001, "avg")):
+        state = comp.new_state(n, size, rank, name="ob")
+        ref_states = {}
+        for step in range(4):
+            arrays = [rank_inputs(r, n, np.float32, seed=700 + step) for r in range(size)]
+            x = arrays[rank].copy()
+            stats = {}
+            h = hpcdp.allreduce_async(x, op=op, compression=comp, state=state, stats=stats,
+                                      algo="two_level", name="ob")
+            h.wait()
+            expected = onebit_reference(rt, arrays, ref_states, comp, step, op == "avg")
+            what = f"onebit two_level {op} of {n}, step {step}"
+            assert np.array_equal(x, expected), \
+                f"rank {rank}: {what}: max difference {np.abs(x - expected).max()}"
+            assert_identical_everywhere(rt.comm, x, what)
+            assert state.step == step + 1, f"rank {rank}: {what}: state.step {state.step}"
+        node = next(i for i, ranks in enumerate(rt.nodes) if rank in ranks)
+        sent = rt.comm.allgather((node, stats.get("bytes_sent", 0)))
+        frames = sum(4 + -(-(b - a) // (8 * nodes)) for a, b in _slices(rt, n))  # 1-bit frames
+        for k in range(nodes):  # each slice's two phases: (nodes - 1) frames out, twice
+            got = sum(b for i, b in sent if i == k)
+            assert got == 2 * (nodes - 1) * frames, \
+                f"rank {rank}: {n}: node {k} sent {got}, expected {2 * (nodes - 1) * frames}"
+        slices = min(len(r) for r in rt.nodes)
+        crossing = rt.nodes[node].index(rank) < slices  # (it compresses its slices across nodes)
+        segments = len(range(0, n, rt.node_data().capacity // 4))
+        assert len(state.parts) == (segments if crossing else 0), \
+            f"rank {rank}: {n}: parts {list(state.parts)}"
+        if n > 1000:
+            assert (state.residual_norm() > 0) == crossing, f"rank {rank}: {state.residual_norm()}"
+
+
+def _slices(rt, n):
+    """``(a, b)`` of every segment's every slice: what a node's cross ranks compress."""
+    slices, per = min(len(r) for r in rt.nodes), rt.node_data().capacity // 4
+    for lo in range(0, n, per):
+        bounds = chunk_bounds(min(n, lo + per) - lo, slices)
+        yield from ((lo + bounds[k], lo + bounds[k + 1]) for k in range(slices))
+
+
+def check_powersgd(rt):
+    """PowerSGD's sums take the two-level algorithm: close to the one-process simulation (the
+    sums add in another order), the same bits on every rank, and only factors cross nodes."""
+    rank, size = rt.rank, rt.size
+    shapes = [(96, 40), (40,), (20, 6, 5)]
+    numel = sum(int(np.prod(s)) for s in shapes)
+    comp = PowerSGD(rank=2, start_steps=1)
+    mine = comp.new_state(numel, size, rank, name="p", shapes=shapes)
+    sim = [comp.new_state(numel, size, r, name="p", shapes=shapes) for r in range(size)]
+    for step in range(3):
+        arrays = [rank_inputs(r, numel, np.float32, seed=800 + step) for r in range(size)]
+        x = arrays[rank].copy()
+        stats = {}
+        hpcdp.allreduce(x, op="avg", name="p", compression=comp, state=mine, stats=stats,
+                        algo="two_level")
+        expected = simulate_powersgd_allreduce(arrays, sim, comp)[rank]
+        what = f"powersgd two_level step {step}"
+        assert np.allclose(x, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max()), \
+            f"rank {rank}: {what}: max difference {np.abs(x - expected).max()}"
+        assert_identical_everywhere(rt.comm, x, what)
+    payload = comp.payload_nbytes(numel, size, mine)
+    assert payload < numel * 4 // 4, f"rank {rank}: payload {payload} of {numel * 4}"
+    node = next(i for i, ranks in enumerate(rt.nodes) if rank in ranks)
+    sent = rt.comm.allgather((node, stats.get("bytes_sent", 0)))
+    nodes = len(rt.nodes)
+    for k in range(nodes):  # the two sums' two-level rings across nodes carry the factors
+        got = sum(b for i, b in sent if i == k)
+        assert got <= 2 * (nodes - 1) / nodes * payload + 64 * nodes, \
+            f"rank {rank}: node {k} sent {got}, the factors are {payload} bytes"
+
+
+def check_ddp(rt):
+    """DDP buckets compressed by 1-bit and PowerSGD over two_level train as far as the
+    uncompressed run (loss on the whole batch within 10 %), and the replicas stay the same
+    bits."""
+    import torch
+    rank, size = rt.rank, rt.size
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 20, generator=g), torch.randint(0, 4, (64,), generator=g)
+    final = {}
+    for comp in (None, "onebit", PowerSGD(rank=2, start_steps=2)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        start = torch.nn.functional.cross_entropy(model(x), y).item()
+        ddp = hpcdp.DistributedDataParallel(model, compression=comp, algo="two_level")
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.3)
+        for _ in range(30):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x[rank::size]), y[rank::size]).backward()
+            opt.step()
+        final[comp] = torch.nn.functional.cross_entropy(model(x), y).item()
+        what = f"rank {rank}: DDP with {comp} over two_level"
+        assert final[comp] < 0.6 * start, f"{what}: loss {final[comp]:.3f}, from {start:.3f}"
+        assert final[comp] < 1.1 * final[None], f"{what}: loss {final[comp]:.3f}, uncompressed {final[None]:.3f}"
+        assert len(set(rt.comm.allgather(hpcdp.check_replicas(model)))) == 1, f"{what}: replicas differ"
+
+
 def check_mismatch(rt):
     if rt.size == 1:
         return
@@ -122,6 +255,9 @@ def main():
     if len(rt.nodes) > 1:
         check_link_bytes(rt)
         check_compressed(rt)
+        check_onebit(rt)
+        check_powersgd(rt)
+        check_ddp(rt)
         check_shm_needs_one_node(rt)
     check_mismatch(rt)
     if rt.rank == 0:

@@ -362,6 +362,35 @@ def test_onebit_state_dict_round_trip():
         other.load_state_dict(saved[0])
 
 
+def test_onebit_two_level_parts_round_trip_and_follow_the_bucket():
+    """The states of a bucket's two-level slices (one per segment) are saved with the bucket's,
+    restored on first use, step with the bucket, count in its residual norm, and refuse a
+    changed layout."""
+    comp = OneBit()
+    state = comp.new_state(1000, 4, 1, name="b")
+    state.step = 5
+    part = state.part(0, 300, 2, 1)
+    assert part.step == 5 and state.part(0, 300, 2, 1) is part
+    x = np.random.default_rng(0).standard_normal(300).astype(np.float32)
+    comp.encode(x, part)
+    assert state.residual_norm() == pytest.approx(float(np.linalg.norm(part.worker_residual)))
+    saved = state.state_dict()
+    assert set(saved["parts"]) == {0} and saved["parts"][0]["numel"] == 300
+    restored = comp.new_state(1000, 4, 1, name="b")
+    restored.load_state_dict(saved)
+    assert restored.parts == {}  # (restored on first use, when the layout is known)
+    again = restored.part(0, 300, 2, 1)
+    np.testing.assert_array_equal(again.worker_residual, part.worker_residual)
+    assert again.step == 5
+    assert restored.state_dict()["parts"].keys() == {0}
+    with pytest.raises(ValueError, match=r"bucket 'b'.*element 0 has 300 elements over 2 nodes"):
+        state.part(0, 301, 2, 1)
+    moved = comp.new_state(1000, 4, 1, name="b")
+    moved.load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"world_size=2.*world_size=3"):
+        moved.part(0, 300, 3, 1)  # saved across 2 nodes, now 3
+
+
 def test_onebit_rejects_bad_frames_and_inputs():
     comp = OneBit()
     state = comp.new_state(100, 2, 0, name="fc.weight")
