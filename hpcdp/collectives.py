@@ -23,7 +23,8 @@ from .comm.nodewin import node_round
 from .comm.shm import shm_allreduce, shm_allreduce_blocking
 from .comm.spaces import space_for
 from .comm.lowrank import lowrank_allreduce
-from .comm.twolevel import codec_across, ring_across, slice_elements, two_level_allreduce, twophase_across
+from .comm.twolevel import (StepTally, codec_across, ring_across, slice_elements, two_level_allreduce,
+                            twophase_across)
 from .comm.twophase import twophase_allreduce
 from .comm.waiting import drive
 from .compress.registry import code, code_name, resolve
@@ -178,12 +179,13 @@ def _two_level_gen(rt, ctx, window, buf, average: bool, comp=None, state=None):
     """Generator: the two-level allreduce, with this rank's stage across nodes (if it has
     one): the plain ring, a ring codec's ring, or a two-phase codec."""
     comm, slices = rt.cross()
-    across = None
+    across, tally = None, StepTally()
     if comm is not None:
-        cross = OpContext(comm, rt.MPI, ctx.tag, ctx.stats, None, ctx.yield_cpu)
+        cross = OpContext(comm, rt.MPI, ctx.tag, ctx.stats, tally if ctx.on_step else None,
+                          ctx.yield_cpu)
         cross.where = ctx.where
         across = _across(rt, cross, window, buf, comp, state, slices)
-    yield from two_level_allreduce(ctx, window, slices, buf, average, rt.size, across)
+    yield from two_level_allreduce(ctx, window, slices, buf, average, rt.size, across, tally)
     if comp is not None and comp.collective == "two_phase":
         state.step += 1  # (every rank's: its slices' states follow it, see OneBitState.part)
     elif comp is not None and ctx.stats is not None:  # (the same bits everywhere, so the same answer)

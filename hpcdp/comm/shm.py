@@ -31,6 +31,11 @@ way every rank holds the same bits.
 Each call and segment writes the other half than the one before, and every rank
 reads a half only between two of its rounds, so a rank writing a half again (two
 rounds later) never overwrites what a slower rank still reads.
+
+Steps reported to ``ctx.on_step`` (level-2 traces; no bytes: nothing is sent): one round,
+0 (copy in and the round) and 1 (the sum); larger buffers, per segment ``s``, ``3s``
+(copy in and the first round), ``3s + 1`` (own slice reduced and the second round) and
+``3s + 2`` (copy out).
 """
 from __future__ import annotations
 
@@ -58,12 +63,13 @@ def shm_allreduce(ctx, window, buf, average: bool, sig=None, small: int = SHM_SM
     to do (as on the ring)."""
     if window.size == 1 or buf.n == 0:
         return
+    ctx.step_started()
     if _one_round_fits(window, buf, small):
         yield from _one_round(ctx, window, buf, average, sig)
         return
     per = segment_elements(window, buf)
-    for lo in range(0, buf.n, per):
-        yield from _segment(ctx, window, buf, lo, min(buf.n, lo + per), average, sig)
+    for s, lo in enumerate(range(0, buf.n, per)):
+        yield from _segment(ctx, window, buf, lo, min(buf.n, lo + per), average, sig, 3 * s)
         sig = None
 
 
@@ -121,22 +127,27 @@ def _one_round(ctx, window, buf, average: bool, sig):
     ctx.at("shared-memory allreduce: copy in")
     parts = copy_in(window, buf, 0, buf.n, average, window.size)
     yield from node_round(ctx, window, sig)
+    ctx.step_done(0, 0, 0)
     ctx.at("shared-memory allreduce: sum")
     _sum_in_rank_order(window, buf, parts, average)
+    ctx.step_done(1, 0, 0)
 
 
-def _segment(ctx, window, buf, lo: int, hi: int, average: bool, sig):
+def _segment(ctx, window, buf, lo: int, hi: int, average: bool, sig, step: int):
     size, half = window.size, buf.dtype.name in HALF_DTYPES
     ctx.at("shared-memory allreduce: copy in")
     parts = copy_in(window, buf, lo, hi, average, size)
     yield from node_round(ctx, window, sig)
+    ctx.step_done(step, 0, 0)
     ctx.at("shared-memory allreduce: reduce own slice")
     bounds = chunk_bounds(hi - lo, size)  # slice j: the ring's chunk j
     reduce_in_ring_order(buf.ops, parts, window.rank, bounds, average and not half, size)
     yield from node_round(ctx, window)
+    ctx.step_done(step + 1, 0, 0)
     ctx.at("shared-memory allreduce: copy out")
     copy_out(buf, lo, parts, bounds)
     window.half ^= 1
+    ctx.step_done(step + 2, 0, 0)
 
 
 def copy_out(buf, lo: int, parts, bounds) -> None:

@@ -38,6 +38,11 @@ sums stay exact:
   every node decodes the same server frames.
 
 Either way every rank holds the same bits.
+
+Steps reported to ``ctx.on_step`` (level-2 traces), per segment ``s``: ``3s`` (copy in and
+the node's round), ``3s + 1`` (own slice reduced in the node and across nodes, with the
+bytes the stage across nodes sent and received: ``tally``) and ``3s + 2`` (the round and
+copy out).
 """
 from __future__ import annotations
 
@@ -49,20 +54,40 @@ from .shm import HALF_DTYPES, copy_in, copy_out, reduce_in_ring_order, segment_e
 from .spaces import HOST
 from .twophase import twophase_allreduce
 
-__all__ = ["two_level_allreduce", "slice_elements", "ring_across", "codec_across", "twophase_across"]
+__all__ = ["two_level_allreduce", "StepTally", "slice_elements", "ring_across", "codec_across", "twophase_across"]
 
 
-def two_level_allreduce(ctx, window, slices: int, buf, average: bool, total: int, across):
+def two_level_allreduce(ctx, window, slices: int, buf, average: bool, total: int, across, tally):
     """Generator: in-place allreduce of host ``buf`` over all ranks of the job (see the
     module docstring). ``slices``: ``S``; ``total``: the job's number of ranks; ``across``:
     this rank's stage across nodes, ``across(acc, start, scale)`` (a generator reducing
     the node's sum ``acc`` of this rank's slice of the segment at ``start`` over its cross
     communicator, then dividing by ``total`` when ``scale``), ``None`` for local ranks
-    ``>= S``."""
+    ``>= S``. ``tally``: the :class:`StepTally` that is the ``on_step`` of ``across``'s
+    communicator (its bytes go into this call's steps)."""
     per = segment_elements(window, buf)
-    for lo in range(0, buf.n, per):
+    ctx.step_started()
+    for s, lo in enumerate(range(0, buf.n, per)):
         yield from _segment(ctx, window, slices, buf, lo, min(buf.n, lo + per), average, total,
-                            across)
+                            across, tally, 3 * s)
+
+
+class StepTally:
+    """An ``on_step`` for the stage across nodes: adds up the bytes of its steps, which the
+    two-level allreduce reports as one step of its own (:meth:`take`)."""
+
+    __slots__ = ("sent", "recv")
+
+    def __init__(self):
+        self.sent = self.recv = 0
+
+    def __call__(self, index, t0, t1, sent, recv) -> None:
+        self.sent += sent
+        self.recv += recv
+
+    def take(self) -> tuple[int, int]:
+        moved, self.sent, self.recv = (self.sent, self.recv), 0, 0
+        return moved
 
 
 def slice_elements(window, buf, slices: int) -> int:
@@ -70,20 +95,23 @@ def slice_elements(window, buf, slices: int) -> int:
     return -(-min(buf.n, segment_elements(window, buf)) // slices)
 
 
-def _segment(ctx, window, slices, buf, lo, hi, average, total, across):
+def _segment(ctx, window, slices, buf, lo, hi, average, total, across, tally, step):
     half = buf.dtype.name in HALF_DTYPES
     ctx.at("two-level allreduce: copy in")
     parts = copy_in(window, buf, lo, hi, average, total)
     yield from node_round(ctx, window)
+    ctx.step_done(step, 0, 0)
     bounds = chunk_bounds(hi - lo, slices)
     if across is not None:
         ctx.at("two-level allreduce: reduce own slice in the node")
         acc = reduce_in_ring_order(buf.ops, parts, window.rank, bounds, False, 1)
         yield from across(acc, lo, average and not half)
+    ctx.step_done(step + 1, *tally.take())
     yield from node_round(ctx, window)
     ctx.at("two-level allreduce: copy out")
     copy_out(buf, lo, parts, bounds)
     window.half ^= 1
+    ctx.step_done(step + 2, 0, 0)
 
 
 # -- the stage across nodes (bind the leading arguments with functools.partial) -------------

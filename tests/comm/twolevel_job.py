@@ -226,6 +226,22 @@ def check_ddp(rt):
         assert len(set(rt.comm.allgather(hpcdp.check_replicas(model)))) == 1, f"{what}: replicas differ"
 
 
+def check_steps(rt):
+    """Level-2 steps of a two-level call: three per segment, in order; the middle one of each
+    carries the bytes the stage across nodes moved (all of the call's)."""
+    for comp in (None, "fp16", "onebit"):
+        n, events, stats = 300_001, [], {}
+        h = hpcdp.allreduce_async(np.ones(n, np.float32), algo="two_level", compression=comp,
+                                  stats=stats, name="s", on_step=lambda *e: events.append(e))
+        h.wait()
+        segments = len(range(0, n, rt.node_data().capacity // 4))
+        what = f"rank {rt.rank}: {comp} steps {[e[0] for e in events]}"
+        assert [e[0] for e in events] == list(range(3 * segments)), what
+        assert all(e[1] <= e[2] for e in events), what
+        assert sum(e[3] for e in events[1::3]) == stats.get("bytes_sent", 0), f"{what}: {stats}"
+        assert sum(e[3] for e in events[0::3]) + sum(e[3] for e in events[2::3]) == 0, what
+
+
 def check_mismatch(rt):
     if rt.size == 1:
         return
@@ -258,6 +274,7 @@ def main():
         check_onebit(rt)
         check_powersgd(rt)
         check_ddp(rt)
+        check_steps(rt)
         check_shm_needs_one_node(rt)
     check_mismatch(rt)
     if rt.rank == 0:

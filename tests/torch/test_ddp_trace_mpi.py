@@ -24,8 +24,8 @@ STEPS = 4
 
 @pytest.fixture(autouse=True)
 def _ring(rt, monkeypatch):
-    """These traces assert the ring's steps and bytes (the shared-memory algorithms record
-    no per-step events yet and send no bytes)."""
+    """These traces assert the ring's steps and bytes (the shared-memory algorithms send no
+    bytes; their steps are asserted on their own below)."""
     monkeypatch.setattr(rt, "algo", "ring")
 
 def _model():
@@ -149,6 +149,26 @@ def test_level_2_records_every_ring_step(rt, mpi_tmp_path, monkeypatch):
             # the uneven chunks
             if n > 1:
                 assert abs(int(mine["bytes_recv"].sum()) - 2 * (n - 1) * e["nbytes"] / n) <= 16 * n
+
+
+def test_level_2_records_the_shared_memory_steps(rt, mpi_tmp_path, monkeypatch):
+    """algo="shm": a bucket of at most 64 KiB is one flag round, two steps (copy in and the
+    round, the sum); one rank has nothing to do."""
+    monkeypatch.setattr(rt, "algo", "shm")
+    monkeypatch.setenv("HPCDP_TRACE_LEVEL", "2")
+    run = _run_dir(mpi_tmp_path, "level2-shm")
+    ddp = _traced(run)
+    _train(ddp, steps=2)
+    t = _finish(ddp, run)
+    assert _grad_bytes(ddp.module) <= 64 << 10
+    for r in t.ranks:
+        ring, comm = r.of_kind(K.RING_STEP), r.of_kind(K.BUCKET_COMM)
+        assert len(comm) > 0
+        for e in comm:
+            mine = ring[(ring["step"] == e["step"]) & (ring["bucket"] == e["bucket"])]
+            assert mine["index"].tolist() == ([0, 1] if t.world_size > 1 else [])
+            assert int(mine["bytes_sent"].sum()) == 0
+            assert all(mine["t1"] >= mine["t0"]) and all(mine["t0"] >= e["t0"])
 
 
 def test_no_sync_passes_belong_to_their_step(rt, mpi_tmp_path):
