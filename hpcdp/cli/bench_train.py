@@ -22,7 +22,7 @@ Modes:
 
 ``--compression none,fp16,onebit,powersgd:4`` runs every hpcdp mode once per
 listed compressor, in the same rounds as the other modes; ``--algos ring,auto``
-likewise once per allreduce algorithm of the uncompressed buckets (default: the
+likewise once per allreduce algorithm of the buckets (default: the
 runtime's, ``$HPCDP_ALGO`` or auto; the record's ``algo`` says which was asked for). ``onebit`` uses the
 compressed-momentum optimizer (``hpcdp.optim.OneBitSGD`` / ``OneBitAdam``,
 what trains) with one exact warm-up step, and ``powersgd`` (``powersgd:R``)
@@ -69,7 +69,8 @@ median step time over each peer's (``hpcdp_over_PEER``; hpcdp with the first
 listed compressor), the same for the exposed communication
 (``exposed_hpcdp_over_PEER``), each further compressor's step time over the
 first's (``hpcdp_C_over_hpcdp_C0``), each further algorithm's over the first's
-(``hpcdp_algo_A_over_hpcdp_algo_A0``), the traced step over the untraced one
+(``hpcdp_algo_A_over_hpcdp_algo_A0`` for the first compressor,
+``hpcdp_C_algo_A_over_hpcdp_C_algo_A0`` for the others), the traced step over the untraced one
 (``hpcdp-trace_over_hpcdp``), torch DDP on the "hpcdp" backend over torch DDP on
 gloo (``ddp-hpcdp_over_ddp``, also the exposed communication) and, with one step per mode per round,
 the median over rounds of the ratio of the two steps of the same round
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--algos", default="",
-                    help="allreduce algorithms of hpcdp's uncompressed buckets, comma-separated "
+                    help="allreduce algorithms of hpcdp's buckets, comma-separated "
                          "(auto, ring, shm, two_level): every hpcdp mode runs once per algorithm "
                          "(default: the runtime's, $HPCDP_ALGO or auto)")
     ap.add_argument("--compression", default="none",
@@ -241,8 +242,9 @@ class _Bench:
 
     def summary(self, runners, compressions, algos) -> dict:
         """hpcdp (first compressor, first algorithm) over each peer, each further compressor
-        and algorithm over the first, traced over untraced; ``paired_`` ratios where step i of
-        every mode ran in round i."""
+        over the first, each further algorithm over the first (per compressor: the first's
+        keys carry no compressor name), traced over untraced; ``paired_`` ratios where step i
+        of every mode ran in round i."""
         c0, a0, args = compressions[0], algos[0], self.args
         ref = {(r.mode, r.compression): r for r in runners
                if r.bucket_mb in (None, args.bucket_mb) and r.algo in (None, a0)}
@@ -270,10 +272,13 @@ class _Bench:
             if ("hpcdp", c) in ref:
                 _ratios(ref[("hpcdp", c)], hp, paired, f"hpcdp_{c or 'none'}_over_hpcdp_{c0 or 'none'}",
                         out)
-        for a in algos[1:]:
-            other = next(r for r in runners if (r.mode, r.compression, r.algo, r.bucket_mb)
-                         == ("hpcdp", c0, a, args.bucket_mb))
-            _ratios(other, hp, paired, f"hpcdp_algo_{a}_over_hpcdp_algo_{a0}", out)
+        for c in compressions:  # each algorithm over the first, per compressor
+            first = ref.get(("hpcdp", c))
+            tag = "" if c == c0 else f"{c or 'none'}_"
+            for a in algos[1:] if first is not None else ():
+                other = next(r for r in runners if (r.mode, r.compression, r.algo, r.bucket_mb)
+                             == ("hpcdp", c, a, args.bucket_mb))
+                _ratios(other, first, paired, f"hpcdp_{tag}algo_{a}_over_hpcdp_{tag}algo_{a0}", out)
         return out
 
 

@@ -89,20 +89,25 @@ def test_compressors_side_by_side_in_one_run():
 
 @pytest.mark.timeout(120)
 def test_algorithms_side_by_side_in_one_run():
-    """--algos ring,shm: every hpcdp mode once per algorithm, each record naming its own; the
-    ring's counters see its bytes, the shared-memory algorithm sends none; the summary has
-    the second algorithm's step over the first's."""
+    """--algos ring,shm: every hpcdp mode once per algorithm and compressor, each record naming
+    its own; the ring's counters see its bytes, the shared-memory algorithm sends none
+    (PowerSGD's sums take it too); the summary has the second algorithm's step over the
+    first's, per compressor."""
     from hpcdp.torch.zoo import parameter_count
     p = run_mpi(2, ["-m", "hpcdp.cli.bench", "train", "--model", "digits", "--global-batch", "32",
                     "--steps", "2", "--warmup", "1", "--bucket-sweep", "", "--modes", "naive,hpcdp",
-                    "--algos", "ring,shm"], timeout=100)
+                    "--algos", "ring,shm", "--compression", "none,powersgd:2"], timeout=100)
     train, summary = records(p)
-    assert [(r["mode"], r.get("algo")) for r in train] == [
-        ("naive", None), ("hpcdp", "ring"), ("hpcdp", "shm")]
-    sent = {r["algo"]: r["bytes_sent_per_step"] for r in train if r["mode"] == "hpcdp"}
-    assert sent == {"ring": pytest.approx((parameter_count("digits") + 1) * 4, rel=1e-5), "shm": 0}
+    assert [(r["mode"], r.get("algo"), r.get("compression")) for r in train] == [
+        ("naive", None, None), ("hpcdp", "ring", None), ("hpcdp", "shm", None),
+        ("hpcdp", "ring", "powersgd:2"), ("hpcdp", "shm", "powersgd:2")], train
+    sent = {(r["algo"], r["compression"]): r["bytes_sent_per_step"] for r in train if r["mode"] == "hpcdp"}
+    assert sent[("ring", None)] == pytest.approx((parameter_count("digits") + 1) * 4, rel=1e-5)
+    assert 0 < sent[("ring", "powersgd:2")] < sent[("ring", None)]
+    assert sent[("shm", None)] == sent[("shm", "powersgd:2")] == 0
     assert {"hpcdp_over_naive", "hpcdp_algo_shm_over_hpcdp_algo_ring",
-            "paired_hpcdp_algo_shm_over_hpcdp_algo_ring"} <= set(summary[0]), summary
+            "paired_hpcdp_algo_shm_over_hpcdp_algo_ring",
+            "hpcdp_powersgd:2_algo_shm_over_hpcdp_powersgd:2_algo_ring"} <= set(summary[0]), summary
 
 
 @pytest.mark.parametrize("spec, message", [
