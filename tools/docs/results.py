@@ -61,7 +61,15 @@ _ONE_NODE_POINT = [("MPI", "mpi", "str"), ("ranks", "np", "int"), ("size", "byte
 _ROUNDS_HELD = [("bound", "bound", "num"), ("rounds held", "held", "int"), ("holds", "holds", "bool")]
 _CLUSTER_DDP = ("python tools/cluster/bench_train.py --rates 1gbit --nodes 2 --ranks-per-node 2 "
                 "--placement block --out docs/results/cluster-ddp.jsonl -- --model mlp-large "
-                "--global-batch 1024 --modes hpcdp --algos ring,auto --bucket-sweep ''")
+                "--global-batch 1024 --modes hpcdp --algos ring,auto "
+                "--compression none,fp16,onebit,powersgd:4 --bucket-sweep ''")
+
+
+def _algo_ratio(compression: str, prefix: str) -> str:
+    """hpcdp-bench train's summary key of auto over ring for ``compression`` (the first listed,
+    none, is not named in it)."""
+    tag = "" if compression == "none" else f"{compression}_"
+    return f"{prefix}hpcdp_{tag}algo_auto_over_hpcdp_{tag}algo_ring"
 
 
 _SYNTHETIC_COLUMNS = [("model", "model", "str"), ("mode", "mode", "str"), ("compression", "compression", "str"),
@@ -128,17 +136,19 @@ SPECS = {
         "command": _CLUSTER_DDP,
         "where": {"bench": "train"},
         "columns": [("link", "rate", "str"), ("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "int"),
-                    ("model", "model", "str"), ("algo", "algo", "str"), ("step (ms)", "step_time_s", "ms"),
-                    ("min (ms)", "step_time_min_s", "ms"), ("max (ms)", "step_time_max_s", "ms"),
-                    ("exposed comm (ms)", "exposed_comm_s", "ms"), ("steps", "steps", "int")],
+                    ("model", "model", "str"), ("compression", "compression", "str"), ("algo", "algo", "str"),
+                    ("step (ms)", "step_time_s", "ms"), ("min (ms)", "step_time_min_s", "ms"),
+                    ("max (ms)", "step_time_max_s", "ms"), ("exposed comm (ms)", "exposed_comm_s", "ms"),
+                    ("sent per rank and step (MB)", "bytes_sent_per_step", "mb"), ("steps", "steps", "int")],
     },
     "cluster-ddp-summary": {
         "file": "cluster-ddp.jsonl",
         "command": _CLUSTER_DDP,
         "where": {"bench": "train-summary"},
-        "columns": [("model", "model", "str"), ("ranks", "np", "int"),
-                    ("auto / ring, medians", "hpcdp_algo_auto_over_hpcdp_algo_ring", "ratio"),
-                    ("auto / ring, paired by round", "paired_hpcdp_algo_auto_over_hpcdp_algo_ring", "ratio")],
+        "columns": [("model", "model", "str"), ("ranks", "np", "int")] + [
+            column for c in ("none", "fp16", "onebit", "powersgd:4")
+            for column in ((f"{c}: auto / ring", _algo_ratio(c, ""), "ratio"),
+                           ("paired", _algo_ratio(c, "paired_"), "ratio"))],
     },
     "model-validation": {
         "file": "model-validation.jsonl",
