@@ -398,7 +398,7 @@ def _prepare_allreduce(rt, x, op, name, check, blocking, stats, compression, sta
     algo = _pick_algo(rt, algo, buf, comp)
     ctx = OpContext(rt.comm, rt.MPI, rt.engine.next_tag(), stats, on_step, rt.engine.yield_cpu,
                     rt.rank, rt.size)
-    if algo == "shm" and blocking and comp is None:  # run right here when the engine is idle, as the small ring
+    if algo == "shm" and blocking and comp is None:  # run here when the engine is idle, as the small ring
         run = functools.partial(_shm_call, rt, ctx, buf, opcode, check)
     elif algo == "ring" and blocking and comp is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
         run = functools.partial(_small_allreduce, rt, ctx, buf, opcode, check)

@@ -25,8 +25,8 @@ input and copy the result out: uneven nodes are correct, and their extra ranks a
 reduction work on their node but no link traffic.
 
 Step 3's reduction across nodes is a pluggable stage (``across``: one of the ``*_across``
-generators below with its leading arguments bound), so compression applies there only and the node's partial
-sums stay exact:
+generators below with its leading arguments bound), so compression applies there only and
+the node's partial sums stay exact:
 
 * :func:`ring_across`: the plain ring (float32 and every other dtype);
 * :func:`codec_across`: a ring codec (fp16, bf16): each hop of the cross ring decodes,
@@ -54,7 +54,8 @@ from .shm import HALF_DTYPES, copy_in, copy_out, reduce_in_ring_order, segment_e
 from .spaces import HOST
 from .twophase import twophase_allreduce
 
-__all__ = ["two_level_allreduce", "StepTally", "slice_elements", "ring_across", "codec_across", "twophase_across"]
+__all__ = ["two_level_allreduce", "StepTally", "slice_elements", "ring_across", "codec_across",
+           "twophase_across"]
 
 
 def two_level_allreduce(ctx, window, slices: int, buf, average: bool, total: int, across, tally):

@@ -222,7 +222,8 @@ def check_ddp(rt):
         final[comp] = torch.nn.functional.cross_entropy(model(x), y).item()
         what = f"rank {rank}: DDP with {comp} over two_level"
         assert final[comp] < 0.6 * start, f"{what}: loss {final[comp]:.3f}, from {start:.3f}"
-        assert final[comp] < 1.1 * final[None], f"{what}: loss {final[comp]:.3f}, uncompressed {final[None]:.3f}"
+        assert final[comp] < 1.1 * final[None], \
+            f"{what}: loss {final[comp]:.3f}, uncompressed {final[None]:.3f}"
         assert len(set(rt.comm.allgather(hpcdp.check_replicas(model)))) == 1, f"{what}: replicas differ"
 
 
