@@ -195,7 +195,7 @@ def test_blocking_and_async_calls_of_one_collective_match(world, n):
     allreduce on some, allreduce_async().wait() on others) or wait differently
     (HPCDP_WAIT per node): the argument check is the same nonblocking collective
     everywhere, since MPI never matches a blocking collective with a nonblocking one."""
-    rank, size = world.Get_rank(), world.Get_size()
+    rank = world.Get_rank()
     x = _inputs(rank, n, np.float32)
     everyone = world.allgather(x.copy())
     if rank % 2:

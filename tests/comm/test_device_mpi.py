@@ -86,7 +86,7 @@ def _cuda_transport_or_skip(transport):
 @pytest.mark.parametrize("n", [1, 1001, 1 << 20])
 def test_cuda_tensor_allreduce(world, transport, dtype, n):
     torch = _cuda_transport_or_skip(transport)
-    rank, size = world.Get_rank(), world.Get_size()
+    rank = world.Get_rank()
     t = torch.randn(n, device="cuda", generator=torch.Generator("cuda").manual_seed(rank)).to(getattr(torch, dtype))
     everyone = world.allgather(t.cpu())
     hpcdp.allreduce(t, op="avg")

@@ -246,7 +246,7 @@ def test_find_unused_parameters_matches_single_process(world):
 
 
 def test_batchnorm_buffers_follow_rank0(world):
-    rank, size = world.Get_rank(), world.Get_size()
+    rank = world.Get_rank()
 
     def build():
         torch.manual_seed(2)
