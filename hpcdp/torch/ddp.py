@@ -43,9 +43,10 @@ class DistributedDataParallel(torch.nn.Module):
     receives one HDF5 timing file per rank (``None``: ``$HPCDP_TRACE`` if set,
     else no tracing), or a recorder from :func:`hpcdp.trace.open_recorder`; see
     ``docs/tracing.md``. :meth:`close_trace` writes the rest and closes the files
-    (also done at interpreter exit). ``algo``: the uncompressed buckets' allreduce
-    algorithm (``"auto"``, ``"ring"``, ``"shm"``, ``"two_level"``; ``None``: ``$HPCDP_ALGO``,
-    default ``"auto"``), see :func:`hpcdp.allreduce_async`.
+    (also done at interpreter exit). ``algo``: the buckets' allreduce algorithm
+    (``"auto"``, ``"ring"``, ``"shm"``, ``"two_level"``; ``None``: ``$HPCDP_ALGO``, default
+    ``"auto"``; compressed buckets take ``two_level`` where it applies, with the codec on
+    its stage across nodes), see :func:`hpcdp.allreduce_async`.
 
     The constructor checks that every rank built the same model (names,
     shapes, dtypes; the error names the first difference and the ranks) and
