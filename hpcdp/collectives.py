@@ -132,6 +132,8 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
     """Generator: the check, then the shared-memory allreduce, the two-level one, the plain
     ring, a ring codec's ring, a two-phase or a low-rank codec."""
     average = op == _OPS["avg"]
+    if comp is not None and comp.collective != "ring":
+        state = rt.codec_states.get(comp, buf.name, buf.n) if state is None else state
     if comp is not None and comp.collective == "lowrank":
         yield from _lowrank_gen(rt, ctx, buf, op, check, comp, state, algo)
         return
@@ -152,8 +154,6 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
     if check:
         yield from _check_gen(rt, ctx, "allreduce", _ALLREDUCE, buf, op, _allreduce_extra(comp, algo))
     window = rt.node_data() if algo == "two_level" else None
-    if comp is not None and comp.collective != "ring":
-        state = rt.codec_states.get(comp, buf.name, buf.n) if state is None else state
     if window is not None:
         yield from _two_level_gen(rt, ctx, window, buf, average, comp, state)
     elif comp is None:
@@ -247,24 +247,16 @@ def _lowrank_gen(rt, ctx, buf, op: int, check: bool, comp, state, algo: str):
     size, what ``algo`` picks for a plain call (:func:`_sum_gen`)."""
     if check:
         yield from _check_gen(rt, ctx, "allreduce", _ALLREDUCE, buf, op, _allreduce_extra(comp, algo))
-    state = rt.codec_states.get(comp, buf.name, buf.n) if state is None else state
     yield from lowrank_allreduce(ctx, buf.data, comp, state, op == _OPS["avg"],
                                  functools.partial(_sum_gen, rt, ctx, buf.name, algo))
 
 
 def _sum_gen(rt, ctx, name: str, algo: str, data, average: bool):
-    """Generator: a low-rank codec's sum of ``data`` (float32, host or device) by the algorithm
-    a plain call of its size takes: through the node's shared memory, the two-level rings
-    across nodes, or the ring. The codec's call was checked already."""
+    """Generator: a low-rank codec's sum of ``data`` (float32, host or device), unchecked (the
+    codec's call was), by the algorithm a plain call of its size takes."""
     buf = as_buffer(data, name)
-    algo = _pick_algo(rt, algo, buf, None)
-    window = rt.node_data() if algo in ("shm", "two_level") else None
-    if window is None:
-        yield from _plain_gen(rt, ctx, buf, average, False)
-    elif algo == "shm":
-        yield from shm_allreduce(ctx, window, buf, average)
-    else:
-        yield from _two_level_gen(rt, ctx, window, buf, average)
+    yield from _allreduce_gen(rt, ctx, buf, _OPS["avg" if average else "sum"], False, False, None,
+                              None, _pick_algo(rt, algo, buf, None))
 
 
 def _small_allreduce(rt, ctx, buf, op: int, check: bool) -> None:
