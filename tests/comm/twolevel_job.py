@@ -98,28 +98,24 @@ def check_compressed(rt):
 
 
 def onebit_reference(rt, arrays, states, comp, step, average):
-    """What two_level with 1-bit gives, simulated: per segment and slice k, every node's sum of
+    """What two_level with 1-bit gives, simulated: per segment's slice k, every node's sum of
     slice k (in the node's ring order from local rank k, exact float32) compressed across the
-    nodes by the two-phase simulation, with one state per (segment, slice) and node."""
-    nodes, total, n = rt.nodes, rt.size, len(arrays[0])
-    slices, per = min(len(r) for r in nodes), rt.node_data().capacity // 4
-    out = np.empty(n, np.float32)
-    for lo in range(0, n, per):
-        bounds = chunk_bounds(min(n, lo + per) - lo, slices)
-        for k in range(slices):
-            a, b = lo + bounds[k], lo + bounds[k + 1]
-            sums = []
-            for ranks in nodes:
-                acc = arrays[ranks[k]][a:b].copy()
-                for i in range(1, len(ranks)):
-                    acc += arrays[ranks[(k + i) % len(ranks)]][a:b]
-                sums.append(acc)
-            parts = states.setdefault((lo, k), [OneBitState("ref", b - a, len(nodes), j)
-                                                for j in range(len(nodes))])
-            for part in parts:
-                part.step = step
-            res = simulate_onebit_allreduce(sums, parts, comp)[0] * np.float32(len(nodes))
-            out[a:b] = np.divide(res, np.float32(total)) if average else res
+    nodes by the two-phase simulation, with one state per slice and node."""
+    nodes, total = rt.nodes, rt.size
+    out = np.empty(len(arrays[0]), np.float32)
+    for k, a, b in _slices(rt, len(arrays[0])):
+        sums = []
+        for ranks in nodes:
+            acc = arrays[ranks[k]][a:b].copy()
+            for i in range(1, len(ranks)):
+                acc += arrays[ranks[(k + i) % len(ranks)]][a:b]
+            sums.append(acc)
+        parts = states.setdefault(a, [OneBitState("ref", b - a, len(nodes), j)
+                                      for j in range(len(nodes))])
+        for part in parts:
+            part.step = step
+        res = simulate_onebit_allreduce(sums, parts, comp)[0] * np.float32(len(nodes))
+        out[a:b] = np.divide(res, np.float32(total)) if average else res
     return out
 
 
@@ -147,7 +143,7 @@ def check_onebit(rt):
             assert state.step == step + 1, f"rank {rank}: {what}: state.step {state.step}"
         node = next(i for i, ranks in enumerate(rt.nodes) if rank in ranks)
         sent = rt.comm.allgather((node, stats.get("bytes_sent", 0)))
-        frames = sum(4 + -(-(b - a) // (8 * nodes)) for a, b in _slices(rt, n))  # 1-bit frames
+        frames = sum(4 + -(-(b - a) // (8 * nodes)) for _, a, b in _slices(rt, n))  # 1-bit frames
         for k in range(nodes):  # each slice's two phases: (nodes - 1) frames out, twice
             got = sum(b for i, b in sent if i == k)
             assert got == 2 * (nodes - 1) * frames, \
@@ -162,11 +158,12 @@ def check_onebit(rt):
 
 
 def _slices(rt, n):
-    """``(a, b)`` of every segment's every slice: what a node's cross ranks compress."""
+    """``(k, a, b)`` of every segment's every slice: what local rank k of every node compresses
+    across the nodes (float32 elements ``a:b``)."""
     slices, per = min(len(r) for r in rt.nodes), rt.node_data().capacity // 4
     for lo in range(0, n, per):
         bounds = chunk_bounds(min(n, lo + per) - lo, slices)
-        yield from ((lo + bounds[k], lo + bounds[k + 1]) for k in range(slices))
+        yield from ((k, lo + bounds[k], lo + bounds[k + 1]) for k in range(slices))
 
 
 def check_powersgd(rt):
