@@ -84,12 +84,16 @@ _SYNTHETIC = ("(mpirun -np 2 hpcdp-bench synthetic --model resnet50 --image-size
               "| grep '^{' > docs/results/synthetic.jsonl")
 _CLUSTER_SYNTHETIC = ("R='python tools/cluster/bench_train.py --bench synthetic --rates 2gbit "
                       "--out docs/results/cluster-synthetic.jsonl --'; "
-                      "for b in 16 4; do $R --model resnet50 --image-size 64 --batch-size $b "
+                      "for b in 16 4 2; do $R --model resnet50 --image-size 64 --batch-size $b "
                       "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 6 "
                       "--modes hpcdp,hpcdp-sync,ddp,local --compression none,onebit,powersgd:4; done; "
-                      "$R --model gpt2-small --batch-size 2 --seq-len 128 --num-warmup-batches 3 "
-                      "--num-batches-per-iter 2 --num-iters 3 --modes hpcdp,ddp "
-                      "--compression none,onebit,powersgd:4")
+                      "for bs in '2 128' '1 64'; do set -- $bs; $R --model gpt2-small --batch-size $1 "
+                      "--seq-len $2 --num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 3 "
+                      "--modes hpcdp,ddp --compression none,onebit,powersgd:4; done")
+_CLUSTER_GPT2 = ("python tools/cluster/bench_train.py --bench synthetic --rates 2gbit "
+                 "--out docs/results/cluster-synthetic-gpt2.jsonl -- --model gpt2-small --batch-size 2 "
+                 "--seq-len 128 --num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 3 "
+                 "--modes hpcdp,hpcdp-sync,ddp,local --compression none")
 
 
 def _get(record: dict, key: str):
@@ -244,8 +248,15 @@ SPECS = {
         "file": "cluster-synthetic.jsonl",
         "command": _CLUSTER_SYNTHETIC,
         "where": {"bench": "synthetic"},
-        "columns": [("link", "rate", "str"), ("batch", "batch_size", "int")] + _SYNTHETIC_COLUMNS + [
+        "columns": [("link", "rate", "str"), ("batch", "batch_size", "int"), ("image", "image_size", "int"),
+                    ("seq", "seq_len", "int")] + _SYNTHETIC_COLUMNS + [
             ("/ ddp+powersgd:4", "ratio_to.ddp+powersgd:4", "ratio")],
+    },
+    "cluster-synthetic-gpt2": {
+        "file": "cluster-synthetic-gpt2.jsonl",
+        "command": _CLUSTER_GPT2,
+        "where": {"bench": "synthetic"},
+        "columns": [("link", "rate", "str"), ("batch", "batch_size", "int")] + _SYNTHETIC_COLUMNS,
     },
     "compress-kernels": {
         "file": "compress.jsonl",
