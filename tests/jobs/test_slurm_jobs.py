@@ -283,8 +283,13 @@ def test_preempted_job_requeues_and_resumes_exactly(live, reference, tmp_path, t
         # the same second counts as revoked and the job dies ("Killing non-startable batch
         # JobId=N: Job credential revoked", exit status 1). Release it in a later second.
         time.sleep(2)
-        r = slurm(live, "scontrol", "update", f"jobid={jobid}", "StartTime=now")
-        assert r.returncode == 0, r.stderr
+
+        def released():
+            # (slurmctld has once answered "Invalid job id specified" for the pending job:
+            # ask again while it still waits for its begin time)
+            r = slurm(live, "scontrol", "update", f"jobid={jobid}", "StartTime=now")
+            return r.returncode == 0 or not requeued()
+        wait_until("requeued job released", released, 30, job)
     finally:
         job.join(200)
     assert job.error is None, job.error
