@@ -77,6 +77,9 @@ _SYNTHETIC_COLUMNS = [("model", "model", "str"), ("mode", "mode", "str"), ("comp
                       ("unit", "unit", "str"), ("/ ddp", "ratio_to_ddp", "ratio"),
                       ("scaling eff.", "scaling_efficiency", "ratio"), ("exposed comm (ms)", "exposed_comm_s", "ms"),
                       ("sent per step (MB)", "bytes_sent_per_step", "mb")]
+# the synthetic benchmark across emulated nodes: link and input besides
+_CLUSTER_SYNTHETIC_COLUMNS = [("link", "rate", "str"), ("batch", "batch_size", "int"),
+                              ("image", "image_size", "int"), ("seq", "seq_len", "int")] + _SYNTHETIC_COLUMNS
 _SYNTHETIC = ("(mpirun -np 2 hpcdp-bench synthetic --model resnet50 --image-size 64 --batch-size 32 "
               "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10; "
               "mpirun -np 2 hpcdp-bench synthetic --model gpt2-mini --batch-size 4 --seq-len 128 "
@@ -248,15 +251,13 @@ SPECS = {
         "file": "cluster-synthetic.jsonl",
         "command": _CLUSTER_SYNTHETIC,
         "where": {"bench": "synthetic"},
-        "columns": [("link", "rate", "str"), ("batch", "batch_size", "int"), ("image", "image_size", "int"),
-                    ("seq", "seq_len", "int")] + _SYNTHETIC_COLUMNS + [
-            ("/ ddp+powersgd:4", "ratio_to.ddp+powersgd:4", "ratio")],
+        "columns": _CLUSTER_SYNTHETIC_COLUMNS + [("/ ddp+powersgd:4", "ratio_to.ddp+powersgd:4", "ratio")],
     },
     "cluster-synthetic-gpt2": {
         "file": "cluster-synthetic-gpt2.jsonl",
         "command": _CLUSTER_GPT2,
         "where": {"bench": "synthetic"},
-        "columns": [("link", "rate", "str"), ("batch", "batch_size", "int")] + _SYNTHETIC_COLUMNS,
+        "columns": _CLUSTER_SYNTHETIC_COLUMNS,
     },
     "compress-kernels": {
         "file": "compress.jsonl",
