@@ -19,6 +19,7 @@ import torch
 from .._runtime import init, is_initialized, runtime
 from .functions import broadcast_tensors, check_same_across_ranks, tensor_signature
 from .reducer import Reducer
+from .tied import TiedEmbeddings
 from .tracing import open_step_tracer
 
 __all__ = ["DistributedDataParallel"]
@@ -46,7 +47,11 @@ class DistributedDataParallel(torch.nn.Module):
     (also done at interpreter exit). ``algo``: the buckets' allreduce algorithm
     (``"auto"``, ``"ring"``, ``"shm"``, ``"two_level"``; ``None``: ``$HPCDP_ALGO``, default
     ``"auto"``; compressed buckets take ``two_level`` where it applies, with the codec on
-    its stage across nodes), see :func:`hpcdp.allreduce_async`.
+    its stage across nodes), see :func:`hpcdp.allreduce_async`. ``split_tied_embeddings``:
+    an ``nn.Embedding`` weight that other modules use too (GPT-2's output layer) has the
+    other uses' gradient reduced as soon as backward produces it, and the embedding's rows
+    exchanged sparsely at the end (``False``: the summed gradient, after backward), see
+    :mod:`hpcdp.torch.tied`.
 
     The constructor checks that every rank built the same model (names,
     shapes, dtypes; the error names the first difference and the ranks) and
@@ -56,7 +61,7 @@ class DistributedDataParallel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, bucket_cap_mb: float = 25, first_bucket_mb: float = 1,
                  overlap: bool = True, compression=None, find_unused_parameters: bool = False,
                  broadcast_buffers: bool = True, trace=None, gradient_as_bucket_view: bool = True,
-                 algo: str | None = None):
+                 algo: str | None = None, split_tied_embeddings: bool = True):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"{_OWNER} wraps a torch.nn.Module, got {type(module).__name__}")
@@ -93,6 +98,7 @@ class DistributedDataParallel(torch.nn.Module):
                                find_unused=find_unused_parameters, as_view=gradient_as_bucket_view,
                                should_sync=lambda: self._require_sync, wait_at_end=True,
                                compression=compression, algo=algo)
+        self._tied = TiedEmbeddings(module, self.reducer) if split_tied_embeddings else None
         self.reducer.attach_tracer(open_step_tracer(rt, trace, _OWNER, named, compression, {
             "bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
             "find_unused_parameters": find_unused_parameters, "broadcast_buffers": broadcast_buffers,
@@ -106,10 +112,20 @@ class DistributedDataParallel(torch.nn.Module):
         self.reducer.new_iteration()
         if self.broadcast_buffers and self._synced_buffers and self._size > 1:
             broadcast_tensors(self._synced_buffers, root=0)
-        out = self.module(*args, **kwargs)
+        out = self._run(args, kwargs)
         if tracer is not None:
             tracer.forward_end(t0, out)
         return out
+
+    def _run(self, args, kwargs):
+        """The module's forward; split tied embeddings where that applies (training, no
+        compressed-momentum optimizer: that one averages momentum, not gradients)."""
+        split = (self._tied and torch.is_grad_enabled() and self.reducer.momentum is None)
+        if torch.is_grad_enabled():
+            self.reducer.tied = self._tied if split else None
+        if split:
+            return self._tied.forward(self.module, args, kwargs)
+        return self.module(*args, **kwargs)
 
     @property
     def trace_path(self):

@@ -28,6 +28,11 @@ it, and its ``.grad`` is left alone, as in single-process training).
 
 After the first synchronised iteration the buckets are laid out again in the
 order rank 0 observed the gradients arrive, broadcast so every rank agrees.
+
+A tied embedding split by the owner's forward (:mod:`hpcdp.torch.tied`, set as
+``tied`` for the iteration) reports its weight through :meth:`Reducer.grad_ready`;
+at the end of backward its rows are exchanged after the buckets and added to
+``.grad`` after their averages (without synchronisation: added locally).
 """
 from __future__ import annotations
 
@@ -192,6 +197,7 @@ class Reducer:
         self.stats = {"bytes_sent": 0, "bytes_recv": 0, "allreduces": 0, "iterations": 0,
                       "exposed_wait_ns": 0}
         self.tracer = None
+        self.tied = None  # a TiedEmbeddings the owner's forward splits (hpcdp.torch.tied)
         self.guard = DivergenceGuard(owner, self.rt.rank)
         self._tail_len = len(self.params) if find_unused else 1
         self._relaid_out = False
@@ -337,6 +343,11 @@ class Reducer:
             self._on_grad(i, p)
         return hook
 
+    def grad_ready(self, i: int) -> None:
+        """Parameter ``i``'s ``.grad`` is final: what its hook does, for a gradient that
+        reached ``.grad`` some other way (a split tied embedding, :mod:`hpcdp.torch.tied`)."""
+        self._on_grad(i, self.params[i])
+
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         if not self._active:
             self._begin()
@@ -450,8 +461,12 @@ class Reducer:
         if self.tracer is not None:
             self.tracer.backward_end()
         if not self._sync:
+            if self.tied is not None:
+                self.tied.accumulate()
             return
         self.flush()
+        if self.tied is not None:
+            self.tied.launch(self.stats)
         if self.wait_at_end:
             self.finish()
 
@@ -499,8 +514,12 @@ class Reducer:
                 b.handle.wait()
                 if b.tail_handle is not None:
                     b.tail_handle.wait()
+            if self.tied is not None:
+                self.tied.wait()
         except Exception:
             self._reset()
+            if self.tied is not None:
+                self.tied.discard()
             raise
         t1 = perf_counter_ns()
         self._account(launched, t0, t1)
@@ -525,6 +544,8 @@ class Reducer:
                             p.grad = view if self.as_view else view.clone()
                     elif not self.as_view:
                         p.grad.copy_(view)
+        if self.tied is not None:
+            self.tied.apply()
         if self.momentum is not None:
             self.momentum.exchanged()
         if seen and not self._relaid_out:
