@@ -120,9 +120,10 @@ class DistributedDataParallel(torch.nn.Module):
     def _run(self, args, kwargs):
         """The module's forward; split tied embeddings where that applies (training, no
         compressed-momentum optimizer: that one averages momentum, not gradients)."""
-        split = (self._tied and torch.is_grad_enabled() and self.reducer.momentum is None)
-        if torch.is_grad_enabled():
-            self.reducer.tied = self._tied if split else None
+        if not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        split = bool(self._tied) and self.reducer.momentum is None
+        self.reducer.tied = self._tied if split else None
         if split:
             return self._tied.forward(self.module, args, kwargs)
         return self.module(*args, **kwargs)

@@ -145,29 +145,30 @@ class TiedEmbeddings:
         self.handle = self.gathered = None
 
     @staticmethod
-    def _local(t):
-        """This rank's ids and rows on the host, rows at float32 at least (numpy has no bf16)."""
+    def _take(t):
+        """This backward's ids and rows of ``t`` as host arrays, rows at float32 at least
+        (numpy has no bf16); ``t`` holds none after."""
         dtype = torch.promote_types(t.weight.dtype, torch.float32)
-        if not t.ids:
-            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, t.weight.shape[1], dtype=dtype)
-        return torch.cat(t.ids).to("cpu", torch.int64), torch.cat(t.values).detach().to("cpu", dtype)
+        if t.ids:
+            ids = torch.cat(t.ids).to("cpu", torch.int64)
+            values = torch.cat(t.values).detach().to("cpu", dtype)
+        else:
+            ids = torch.zeros(0, dtype=torch.int64)
+            values = torch.zeros(0, t.weight.shape[1], dtype=dtype)
+        t.ids, t.values = [], []
+        return ids.numpy(), values.numpy()
 
     def accumulate(self) -> None:
         """No synchronisation: add each rank's own rows into ``.grad``."""
         for t in self.ties:
-            if t.ids:
-                ids, values = self._local(t)
-                self._add(t, [(ids.numpy(), values.numpy())], 1.0)
-        self.discard()
+            self._add(t, [self._take(t)], 1.0)
 
     def launch(self, stats: dict) -> None:
         """Start the exchange of every rank's rows (after the buckets, in the engine's order)."""
         rt = self.reducer.rt
-        mine = [tuple(x.numpy() for x in self._local(t)) for t in self.ties]
+        mine = [self._take(t) for t in self.ties]
         self.handle = rt.engine.submit(self._exchange(rt, mine, stats), "tied embedding rows",
                                        where={"phase": "tied embedding rows (MPI_Iallgatherv)"})
-        for t in self.ties:
-            t.ids, t.values = [], []
 
     def _exchange(self, rt, mine, stats):
         everyone = yield from allgather_gen(rt.comm, rt.MPI, mine)
