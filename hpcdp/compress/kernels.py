@@ -23,6 +23,7 @@ Conventions shared with the reference backend:
 
 import math
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange
@@ -160,13 +161,44 @@ def count_nonfinite(bits, exponent_mask):
     return count
 
 
+# Elements per task of the 1-bit pack/unpack kernels (their results do not depend on it).
+# The per-block loops index slices from 0: an offset index (x[lo + i]) would keep numba's
+# negative-index wraparound and with it LLVM's vectoriser out (measured 3-4x slower).
+_BLOCK = 4096
+# (b0 + 2^8 b1 + ... + 2^56 b7) * _MAGIC >> 56 == b0 << 7 | b1 << 6 | ... | b7 for bytes of
+# 0 or 1: eight sign bytes become one packed byte, most significant bit first.
+_MAGIC = np.uint64(0x8040201008040201)
+
+
+def _sign_table():
+    """``_SIGNS[byte, k]``: +1.0 where bit ``7 - k`` of ``byte`` is set, else -1.0."""
+    bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="big")
+    return np.where(bits == 1, np.float32(1.0), np.float32(-1.0)).astype(np.float32)
+
+
+_SIGNS = _sign_table()  # a numba global: frozen into the kernels as a constant
+
+
+def _start_pool() -> None:
+    """Start numba's thread pool now, keeping the importing thread's torch thread count
+    (see ``keeping_torch_threads`` in :mod:`hpcdp._runtime`); a kernel's first call would
+    otherwise start it and change torch's count on whichever thread made that call."""
+    from .._runtime import keeping_torch_threads
+    with keeping_torch_threads():
+        numba.get_num_threads()
+
+
+_start_pool()
+
+
 @njit(**_SCALAR)
-def _sumsq_block(x, res, lo, hi):
-    """float64 sum of ``(x + res)**2`` over ``[lo, hi)`` with 8 interleaved partial
-    sums (a fixed order: no dependency chain on one accumulator)."""
+def _sumsq_block(x, res):
+    """float64 sum of ``(x + res)**2`` over the two slices with 8 interleaved partial sums
+    (a fixed order: no dependency chain on one accumulator); the tail goes to the first."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
-    k = lo
-    while k + 8 <= hi:
+    w = x.shape[0]
+    full = w - w % 8
+    for k in range(0, full, 8):
         c0 = np.float64(x[k] + res[k])
         c1 = np.float64(x[k + 1] + res[k + 1])
         c2 = np.float64(x[k + 2] + res[k + 2])
@@ -183,11 +215,9 @@ def _sumsq_block(x, res, lo, hi):
         a5 += c5 * c5
         a6 += c6 * c6
         a7 += c7 * c7
-        k += 8
-    while k < hi:
+    for k in range(full, w):
         c = np.float64(x[k] + res[k])
         a0 += c * c
-        k += 1
     return ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
 
 
@@ -205,13 +235,39 @@ def onebit_sumsq(x, res, m, out):
     partial = np.zeros(nchunks * per_chunk, np.float64)
     for b in prange(nchunks * per_chunk):
         j = b // per_chunk
-        lo = j * m + (b - j * per_chunk) * SUMSQ_BLOCK
-        partial[b] = _sumsq_block(x, res, lo, min(lo + SUMSQ_BLOCK, (j + 1) * m, n))
+        lo = min(j * m + (b - j * per_chunk) * SUMSQ_BLOCK, n)
+        hi = min(lo + SUMSQ_BLOCK, (j + 1) * m, n)
+        partial[b] = _sumsq_block(x[lo:hi], res[lo:hi])
     for j in range(nchunks):
         acc = 0.0
         for b in range(j * per_chunk, (j + 1) * per_chunk):
             acc += partial[b]
         out[j] = acc
+
+
+@njit(**_SCALAR)
+def _pack_block(x, res, s, update, out, signs):
+    """Signs of ``c = x + res`` into ``out`` (``8 * len(out) >= len(x)`` bits, the ones
+    past ``x`` set); where ``update``, ``res = c - s`` (c >= 0) or ``c + s``.
+    ``signs``: scratch of at least ``8 * len(out)`` bytes.
+    1. one element loop (vectorised): the residual update and a 0/1 byte per sign;
+    2. one multiply per eight sign bytes packs them (see ``_MAGIC``)."""
+    w = x.shape[0]
+    if update:
+        for i in range(w):
+            c = x[i] + res[i]
+            positive = c >= 0
+            res[i] = c - s if positive else c + s
+            signs[i] = np.uint8(1) if positive else np.uint8(0)
+    else:
+        for i in range(w):
+            signs[i] = np.uint8(1) if x[i] + res[i] >= 0 else np.uint8(0)
+    full = 8 * out.shape[0]
+    for i in range(w, full):
+        signs[i] = 1
+    words = signs[:full].view(np.uint64)  # little-endian: sign byte 0 is the low byte
+    for k in range(out.shape[0]):
+        out[k] = np.uint8((words[k] * _MAGIC) >> np.uint64(56))
 
 
 @njit(**_PARALLEL)
@@ -221,34 +277,20 @@ def onebit_pack(x, res, m, scales, frames, offset):
     Chunk j's ``m // 8`` bytes go to ``frames[j, offset:]``. Element k of chunk j
     sets its bit when ``c >= 0``; padding (k >= len(x)) packs as 1. Where
     ``scales[j]`` is finite, ``res = c - scales[j] * sign(c)``; otherwise the
-    chunk's residual is left unchanged.
+    chunk's residual is left unchanged. Blocks of ``_BLOCK`` elements in parallel.
     """
     n = x.shape[0]
     nchunks = frames.shape[0]
-    chunk_bytes = m // 8
-    for b in prange(nchunks * chunk_bytes):
-        j = b // chunk_bytes
+    per_chunk = (m + _BLOCK - 1) // _BLOCK
+    for b in prange(nchunks * per_chunk):
+        j = b // per_chunk
+        lo = j * m + (b - j * per_chunk) * _BLOCK
+        hi = min(lo + _BLOCK, (j + 1) * m)
+        valid = max(lo, min(hi, n))
         s = scales[j]
-        update = math.isfinite(s)
-        base = 8 * b
-        byte = 0
-        if base + 8 <= n:  # full byte: fixed trip count, unrolled
-            for t in range(8):
-                c = x[base + t] + res[base + t]
-                positive = c >= 0
-                if update:
-                    res[base + t] = c - (s if positive else -s)
-                byte |= np.int64(positive) << (7 - t)
-        else:
-            for t in range(8):
-                positive = True
-                if base + t < n:
-                    c = x[base + t] + res[base + t]
-                    positive = c >= 0
-                    if update:
-                        res[base + t] = c - (s if positive else -s)
-                byte |= np.int64(positive) << (7 - t)
-        frames[j, offset + b - j * chunk_bytes] = byte
+        first = offset + (lo - j * m) // 8
+        _pack_block(x[lo:valid], res[lo:valid], s, math.isfinite(s),
+                    frames[j, first:first + (hi - lo) // 8], np.empty(_BLOCK, np.uint8))
 
 
 @njit(**_PARALLEL)
@@ -256,65 +298,63 @@ def onebit_unpack(frames, offset, scales, out, accumulate):
     """``out[k] (+)= ±scales[j]`` for element k of chunk j, k < len(out).
 
     Chunk j's bits are ``frames[j, offset:]``; it covers elements
-    ``[8*j*B, 8*(j+1)*B)`` with ``B = frames.shape[1] - offset``.
+    ``[8*j*B, 8*(j+1)*B)`` with ``B = frames.shape[1] - offset``. ``±s`` is
+    ``s * _SIGNS[byte, t]`` (exact), eight elements per byte in one vector;
+    blocks of ``_BLOCK`` elements of one chunk in parallel.
     """
     n = out.shape[0]
     chunk_bytes = frames.shape[1] - offset
-    for b in prange((n + 7) // 8):
-        j = b // chunk_bytes
+    m = 8 * chunk_bytes
+    if m == 0:  # no elements (n == 0)
+        return
+    per_chunk = (m + _BLOCK - 1) // _BLOCK
+    for task in prange(((n + m - 1) // m) * per_chunk):
+        j = task // per_chunk
+        lo = j * m + (task - j * per_chunk) * _BLOCK
+        hi = min(lo + _BLOCK, (j + 1) * m, n)
         s = scales[j]
-        byte = frames[j, offset + b - j * chunk_bytes]
-        base = 8 * b
-        if base + 8 <= n:  # full byte: fixed trip count, unrolled
-            for t in range(8):
-                v = s if (byte >> (7 - t)) & 1 else -s
+        for b in range(lo // 8, hi // 8):
+            byte = frames[j, offset + b - j * chunk_bytes]
+            base = 8 * b
+            if accumulate:
+                for t in range(8):
+                    out[base + t] += s * _SIGNS[byte, t]
+            else:
+                for t in range(8):
+                    out[base + t] = s * _SIGNS[byte, t]
+        if lo < hi == n and n % 8:  # the last, partial byte (in the block that ends at n)
+            b = n // 8
+            byte = frames[j, offset + b - j * chunk_bytes]
+            for t in range(n - 8 * b):
                 if accumulate:
-                    out[base + t] += v
+                    out[8 * b + t] += s * _SIGNS[byte, t]
                 else:
-                    out[base + t] = v
-        else:
-            for t in range(n - base):
-                v = s if (byte >> (7 - t)) & 1 else -s
-                if accumulate:
-                    out[base + t] += v
-                else:
-                    out[base + t] = v
+                    out[8 * b + t] = s * _SIGNS[byte, t]
 
 
 @njit(**_PARALLEL)
 def onebit_unpack_mean(frames, offset, weights, out):
     """Server average: ``out[k] = sum_i ±weights[i]``, bit k of ``frames[i, offset:]``.
 
-    Each sum starts at 0 and adds the rows in order 0..K-1 in float32.
+    Each sum starts at 0 and adds the rows in order 0..K-1 in float32; ``±w`` is
+    ``w * _SIGNS[byte, t]`` (exact), eight sums per byte in one vector.
     """
     n = out.shape[0]
     rows = frames.shape[0]
-    for b in prange(n // 8):  # full bytes: eight running sums, one pass over the rows
-        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-        for i in range(rows):
-            w = weights[i]
-            byte = frames[i, offset + b]
-            a0 += w if byte & 0x80 else -w
-            a1 += w if byte & 0x40 else -w
-            a2 += w if byte & 0x20 else -w
-            a3 += w if byte & 0x10 else -w
-            a4 += w if byte & 0x08 else -w
-            a5 += w if byte & 0x04 else -w
-            a6 += w if byte & 0x02 else -w
-            a7 += w if byte & 0x01 else -w
-        k = 8 * b
-        out[k] = a0
-        out[k + 1] = a1
-        out[k + 2] = a2
-        out[k + 3] = a3
-        out[k + 4] = a4
-        out[k + 5] = a5
-        out[k + 6] = a6
-        out[k + 7] = a7
-    b = n // 8
-    for t in range(n - 8 * b):  # last, partial byte
+    full = n // 8
+    per_task = _BLOCK // 8
+    for task in prange((full + per_task - 1) // per_task):
+        for b in range(task * per_task, min((task + 1) * per_task, full)):
+            base = 8 * b
+            for t in range(8):
+                out[base + t] = 0
+            for i in range(rows):
+                w = weights[i]
+                byte = frames[i, offset + b]
+                for t in range(8):
+                    out[base + t] += w * _SIGNS[byte, t]
+    for t in range(n - 8 * full):  # the last, partial byte
         acc = np.float32(0.0)
         for i in range(rows):
-            w = weights[i]
-            acc += w if (frames[i, offset + b] >> (7 - t)) & 1 else -w
-        out[8 * b + t] = acc
+            acc += weights[i] * _SIGNS[frames[i, offset + full], t]
+        out[8 * full + t] = acc

@@ -217,6 +217,21 @@ def test_sumsq_is_independent_of_thread_count():
     assert np.allclose(results[0][0], np.dot(x[:m].astype(np.float64), x[:m].astype(np.float64)))
 
 
+def test_kernels_keep_the_callers_torch_thread_count():
+    """numba's OpenMP pool, when started, sets the starting thread's OpenMP count (torch's):
+    importing the kernels starts it and puts torch's count back."""
+    code = ("import os; os.environ['NUMBA_NUM_THREADS'] = '1'\n"
+            "import numpy as np, torch\n"
+            "torch.set_num_threads(3)\n"
+            "from hpcdp.compress import kernels\n"
+            "x = np.ones(9, np.float32); out = np.empty(1)\n"
+            "kernels.onebit_sumsq(x, x, 16, out)\n"
+            "print(torch.get_num_threads())")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["3"]
+
+
 # --- one-bit compressor -------------------------------------------------------------------
 
 
