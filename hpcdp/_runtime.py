@@ -10,6 +10,7 @@ hook that aborts the whole job when one rank dies of an uncaught exception.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import socket
 import sys
@@ -78,7 +79,8 @@ class _Runtime:
         self.cuda_aware, self.cuda_aware_how = detect_cuda_aware(vendor)
         self.yield_cpu, self.wait_how = decide_wait(self.local_size, os.cpu_count() or 1,
                                                     loaded_libmpi())
-        self.engine = Engine(self.comm, MPI, mode, self.yield_cpu, thread_setup=_torch_threads_setup)
+        self.kernel_threads, self.kernel_threads_how = _kernel_threads(self.local, self.rank)
+        self.engine = Engine(self.comm, MPI, mode, self.yield_cpu, thread_setup=_thread_setup)
         # small native exchanges outside the engine (trace clock alignment) never match ours
         self.control = self.comm.Dup()
         from .compress.state import StateStore
@@ -259,17 +261,72 @@ def _say_shm_refused(rt, free, need: int, capacity: int) -> None:
     sys.stderr.flush()
 
 
-def _torch_threads_setup():
-    """On the thread that starts the progress thread: the setup that gives the progress thread
-    the same number of torch intra-op threads. The count is per thread (an OpenMP setting): a
-    new thread would use every core, and torch work on it (PowerSGD's products) would then
-    spin threads against the ranks' own (measured: digits at np = 2 on 2 cores with PowerSGD,
-    41 s instead of 3 s)."""
+def _kernel_threads(local, rank: int) -> tuple[int, str]:
+    """``(threads, why)``: the thread count of hpcdp's numba kernels (the codecs) on this rank,
+    collective over the node communicator ``local``.
+
+    ``NUMBA_NUM_THREADS`` when set; else the CPUs this rank may run on (its affinity) divided
+    by the ranks of its node whose affinity shares any of them, at least 1: numba's own
+    default is every CPU of the machine for every rank, so ranks that share a node would
+    each start that many threads (measured: the 1-bit ResNet-50 step at np = 2 on 2 cores,
+    1.8x slower). Numba reads the variable when it is imported, so it is set here for this
+    process when numba is not imported yet; otherwise it is applied to this thread, and
+    :func:`_thread_setup` copies it to the progress thread."""
+    mine = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+        else set(range(os.cpu_count() or 1))
+    sets = local.allgather(mine)  # every rank calls this, whatever it decides
+    given = os.environ.get("NUMBA_NUM_THREADS")
+    if given:  # (an empty value counts as unset)
+        if not given.strip().isdigit() or int(given) < 1:
+            raise ValueError(f"rank {rank}: NUMBA_NUM_THREADS={given!r} must be a whole number "
+                             "of threads >= 1 (or unset: hpcdp then splits the rank's CPUs among "
+                             "the ranks of its node that share them)")
+        return int(given), "NUMBA_NUM_THREADS"
+    sharing = sum(1 for other in sets if other & mine)
+    threads = max(1, len(mine) // max(1, sharing))
+    if "numba" not in sys.modules:
+        os.environ["NUMBA_NUM_THREADS"] = str(threads)
+    else:
+        import numba
+        threads = min(threads, numba.config.NUMBA_NUM_THREADS)
+        with keeping_torch_threads():  # (this may start numba's pool)
+            numba.set_num_threads(threads)  # this thread's; the progress thread copies it
+    return threads, f"{len(mine)} CPU(s) shared by {sharing} rank(s) of the node"
+
+
+@contextlib.contextmanager
+def keeping_torch_threads():
+    """Restore this thread's torch intra-op thread count after the block: numba's OpenMP
+    threading layer, when it starts its pool, sets the starting thread's OpenMP thread count
+    to the pool's size, and torch reads that count as its own (measured: torch at 2
+    threads, then the first kernel with ``NUMBA_NUM_THREADS=1``: torch at 1)."""
     torch = sys.modules.get("torch")
-    if torch is None:
+    kept = torch.get_num_threads() if torch is not None else None
+    try:
+        yield
+    finally:
+        if kept is not None and torch.get_num_threads() != kept:
+            torch.set_num_threads(kept)
+
+
+def _thread_setup():
+    """On the thread that starts the progress thread: the setup that gives the progress thread
+    this thread's per-thread counts of torch intra-op threads and numba kernel threads. Both
+    are per thread: a new thread would use every core, and torch work on it (PowerSGD's
+    products) would then spin threads against the ranks' own (measured: digits at np = 2 on
+    2 cores with PowerSGD, 41 s instead of 3 s)."""
+    steps = []
+    numba = sys.modules.get("numba")
+    if numba is not None:  # (imported later, numba sizes every thread by NUMBA_NUM_THREADS)
+        numba_threads = numba.get_num_threads()
+        steps.append(lambda: numba.set_num_threads(numba_threads))
+    torch = sys.modules.get("torch")
+    if torch is not None:  # after numba's: see keeping_torch_threads
+        torch_threads = torch.get_num_threads()
+        steps.append(lambda: torch.set_num_threads(torch_threads))
+    if not steps:
         return None
-    threads = torch.get_num_threads()
-    return lambda: torch.set_num_threads(threads)
+    return lambda: [step() for step in steps]
 
 
 def _import_torch():
@@ -357,6 +414,8 @@ def info() -> dict:
         "staging": rt.staging_mode(),
         "wait": "yield" if rt.yield_cpu else "spin",
         "wait_how": rt.wait_how,
+        "kernel_threads": rt.kernel_threads,
+        "kernel_threads_how": rt.kernel_threads_how,
         "nodes": len(rt.nodes),
         "ranks_per_node": [len(ranks) for ranks in rt.nodes],
         "algo": rt.algo,

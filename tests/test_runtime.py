@@ -133,17 +133,42 @@ def test_progress_thread_runs_the_thread_setup_first():
     assert len([e for e in events if e.startswith("op on")]) == 2, events
 
 
-def test_runtime_thread_setup_gives_the_callers_torch_thread_count():
-    p = _py("import threading, torch\n"
-            "from hpcdp._runtime import _torch_threads_setup\n"
+def test_runtime_thread_setup_gives_the_callers_torch_and_numba_thread_counts():
+    p = _py("import os; os.environ['NUMBA_NUM_THREADS'] = '2'\n"
+            "import threading, torch, numba\n"
+            "from hpcdp._runtime import _thread_setup\n"
+            "numba.set_num_threads(1)\n"  # (starts numba's pool, which sets torch's count)
             "n = torch.get_num_threads() + 1\n"
             "torch.set_num_threads(n)\n"
-            "setup = _torch_threads_setup()\n"
+            "setup = _thread_setup()\n"
             "torch.set_num_threads(1)\n"
+            "numba.set_num_threads(2)\n"
             "seen = []\n"
-            "t = threading.Thread(target=lambda: (setup(), seen.append(torch.get_num_threads())))\n"
+            "t = threading.Thread(target=lambda: (setup(), seen.append((torch.get_num_threads(),"
+            " numba.get_num_threads()))))\n"
             "t.start(); t.join()\n"
-            "print(n, seen[0])")
+            "print(n, *seen[0])")
     assert p.returncode == 0, p.stderr
-    wanted, seen = p.stdout.split()
-    assert seen == wanted
+    wanted, torch_seen, numba_seen = p.stdout.split()
+    assert (torch_seen, numba_seen) == (wanted, "1")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("given", [None, "1"])
+def test_kernel_threads_split_the_cpus_among_the_ranks_that_share_them(given):
+    """Two ranks on one node: numba's pool gets the rank's CPUs / 2 (at least 1), set before
+    numba is imported, unless NUMBA_NUM_THREADS is given (empty counts as unset)."""
+    code = ("import json, os, hpcdp; hpcdp.init(); import numba;"
+            "info = hpcdp.info();"
+            "print(json.dumps([info['kernel_threads'], info['kernel_threads_how'],"
+            " numba.config.NUMBA_NUM_THREADS, numba.get_num_threads(), len(os.sched_getaffinity(0))]))")
+    p = run_mpi(2, ["-c", code], timeout=90, env={"NUMBA_NUM_THREADS": given or ""})
+    assert p.returncode == 0, p.stderr
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("[")]
+    assert len(rows) == 2, p.stdout
+    for threads, how, pool, current, cpus in rows:
+        if given:
+            assert (threads, how, pool, current) == (1, "NUMBA_NUM_THREADS", 1, 1)
+        else:
+            assert threads == max(1, cpus // 2) and "shared by 2 rank(s)" in how, how
+            assert pool == current == threads

@@ -19,7 +19,7 @@ thread: a future's callbacks run on the thread that completes it, and torch's ow
 comm hooks wait inside callbacks for collectives they have just started (PowerSGD
 waits for its P allreduce in the callback of the first one), which the progress
 thread must be free to drive. Completion threads use the caller's torch thread count
-(see ``_torch_threads_setup`` in :mod:`hpcdp._runtime`).
+(see ``_thread_setup`` in :mod:`hpcdp._runtime`).
 """
 from __future__ import annotations
 
