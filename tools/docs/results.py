@@ -261,7 +261,7 @@ SPECS = {
     },
     "compress-kernels": {
         "file": "compress.jsonl",
-        "command": "hpcdp-bench compress > docs/results/compress.jsonl",
+        "command": "NUMBA_NUM_THREADS=1 hpcdp-bench compress > docs/results/compress.jsonl",
         "where": {"bench": "compress"},
         "has": ["seconds"],
         "columns": [("kernel", "kernel", "str"), ("backend", "impl", "str"),
