@@ -11,7 +11,9 @@ reducer of an :class:`hpcdp.DistributedDataParallel` model. Per step:
    ``u = beta * m + c * (g + wd * p)`` (``encode``; ``m`` is the momentum every
    rank shares); the bucket is averaged by 1-bit compression with worker and
    server error feedback (:class:`hpcdp.compress.OneBit`); every rank adopts the
-   decoded average as its momentum, and the update uses it.
+   decoded average as its momentum, and the update uses it. Where the local momentum
+   is linear in the gradient (SGD), a split tied embedding's rows are left out of it and
+   their exact average is added to the decoded one (:mod:`hpcdp.torch.tied`).
 3. 1-bit cannot encode zero, so what is known to be zero is not taken from it:
    the elements whose momentum (SGD) or second moment (Adam) is exactly zero when
    the warm-up ends (gradients that were zero throughout it: unused or frozen
@@ -82,6 +84,10 @@ class CompressedMomentum(torch.optim.Optimizer):
     """
 
     unmask = True
+    #: the local momentum is linear in the gradient (no preconditioning), so a part of the
+    #: gradient may be averaged exactly beside the compressed rest: a split tied embedding's
+    #: rows (:mod:`hpcdp.torch.tied`, reported through :meth:`rows_added`)
+    linear = True
 
     def __init__(self, model, params, defaults, *, warmup_steps, total_steps, overlap, impl):
         from ..compress import OneBit
@@ -150,6 +156,15 @@ class CompressedMomentum(torch.optim.Optimizer):
             mask = None if ref is None else ref == 0
             state["zero_mask"] = mask if mask is not None and bool(mask.any()) else None
         return state["zero_mask"]
+
+    def rows_added(self, i: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows ``ids`` of parameter ``i`` got ``rows``, an exactly averaged part of the
+        gradient, added to the averaged momentum (a split tied embedding): where one of its
+        nonzero elements is masked, flag the parameter as :meth:`encode` does."""
+        state = self.state[self._reducer.params[i]]
+        mask = state.get("zero_mask")
+        if self.unmask and mask is not None and bool((mask[ids] & (rows != 0)).any()):
+            self._flags[i] = 1
 
     def exchanged(self) -> None:
         """The reducer put the averaged momentum in ``.grad``: remember the versions."""

@@ -27,7 +27,8 @@ class OneBitSGD(CompressedMomentum):
 
     Warm-up: ``torch.optim.SGD(lr, momentum, weight_decay)`` on exactly averaged
     gradients. After it, per parameter: ``u = momentum * m + g + weight_decay * p``
-    locally, ``m = average_1bit(u)``, ``p -= lr * m``. ``warmup_steps`` (default:
+    locally, ``m = average_1bit(u)``, ``p -= lr * m``; the rows of a split tied embedding
+    (:mod:`hpcdp.torch.tied`) are averaged exactly and added to ``m``. ``warmup_steps`` (default:
     15 % of ``total_steps``, or 500 when that is not given), ``overlap`` and
     ``impl`` (the 1-bit kernels: ``"numba"``, ``"numpy"``; CUDA buckets use torch):
     see :mod:`hpcdp.optim.momentum`. No dampening, no Nesterov.
@@ -83,6 +84,7 @@ class OneBitAdam(CompressedMomentum):
     """
 
     unmask = False  # a frozen zero second moment cannot take a 1-bit momentum
+    linear = False  # u is divided by the denominator and clamped: split tied weights join it
 
     def __init__(self, model, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, *, params=None, warmup_steps=None, total_steps=None,

@@ -118,11 +118,13 @@ class DistributedDataParallel(torch.nn.Module):
         return out
 
     def _run(self, args, kwargs):
-        """The module's forward; split tied embeddings where that applies (training, no
-        compressed-momentum optimizer: that one averages momentum, not gradients)."""
+        """The module's forward; split tied embeddings where that applies (training, and no
+        compressed-momentum optimizer whose momentum is not linear in the gradient: see
+        :mod:`hpcdp.torch.tied`)."""
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
-        split = bool(self._tied) and self.reducer.momentum is None
+        momentum = self.reducer.momentum
+        split = bool(self._tied) and (momentum is None or momentum.linear)
         self.reducer.tied = self._tied if split else None
         if split:
             return self._tied.forward(self.module, args, kwargs)

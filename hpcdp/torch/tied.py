@@ -21,8 +21,14 @@ small: 154 MB, a third of its gradients) is communicated after backward, exposed
    local rows into ``.grad``.
 
 Only embeddings that :func:`find` accepts are split (plain lookups: no ``max_norm``, which
-writes the weight during forward); a compressed-momentum optimizer (:mod:`hpcdp.optim`)
-averages momentum, not gradients, so the owner runs the model unsplit under one.
+writes the weight during forward). A compressed-momentum optimizer (:mod:`hpcdp.optim`)
+averages momentum, not gradients. SGD's local momentum ``u = beta m + g_head + g_rows (+ wd
+p)`` is linear in the gradient, so the bucket compresses ``beta m + g_head (+ wd p)`` and
+:meth:`apply` adds the exact average of the rows to the decoded average:
+``m = avg_1bit(beta m + g_head) + avg(g_rows)``, and the optimizer hears of the rows
+(:meth:`~hpcdp.optim.momentum.CompressedMomentum.rows_added`: a masked element that gets a
+gradient). Adam's is divided by its denominator and clamped before compression (not
+linear): the owner runs the model unsplit under ``OneBitAdam``.
 """
 from __future__ import annotations
 
@@ -188,16 +194,20 @@ class TiedEmbeddings:
             return
         everyone, size = self.gathered, len(self.gathered)
         self.handle = self.gathered = None
+        momentum = self.reducer.momentum
         for k, t in enumerate(self.ties):
-            self._add(t, [theirs[k] for theirs in everyone], 1.0 / size)
+            added = self._add(t, [theirs[k] for theirs in everyone], 1.0 / size)
+            if momentum is not None and added is not None:
+                momentum.rows_added(t.index, *added)
 
     @staticmethod
-    def _add(t, parts, scale: float) -> None:
+    def _add(t, parts, scale: float):
         """``.grad[ids] += scale * sum(rows)``, summed on the host in the order given
-        (deterministic), then added once per distinct id (so also on a GPU)."""
+        (deterministic), then added once per distinct id (so also on a GPU). Returns the
+        distinct ids and what was added to their rows (on ``.grad``'s device), or None."""
         ids = torch.from_numpy(np.concatenate([a for a, _ in parts]))
         if ids.numel() == 0:
-            return
+            return None
         values = torch.from_numpy(np.concatenate([b for _, b in parts]))
         unique, inverse = torch.unique(ids, return_inverse=True)
         summed = torch.zeros(len(unique), values.shape[1], dtype=values.dtype)
@@ -205,7 +215,9 @@ class TiedEmbeddings:
         if scale != 1.0:
             summed.mul_(scale)
         w = t.weight
+        unique, summed = unique.to(w.device), summed.to(w.device, w.dtype)
         with torch.no_grad():
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
-            w.grad.index_add_(0, unique.to(w.device), summed.to(w.device, w.dtype))
+            w.grad.index_add_(0, unique, summed)
+        return unique, summed

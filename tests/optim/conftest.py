@@ -7,5 +7,4 @@ import pytest
 def _ring(request, monkeypatch):
     if request.node.get_closest_marker("mpi") is None:
         return
-    from hpcdp._runtime import runtime
-    monkeypatch.setattr(runtime(), "algo", "ring")
+    monkeypatch.setattr(request.getfixturevalue("rt"), "algo", "ring")

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hpcdp  # noqa: E402
-from hpcdp.optim import OneBitSGD  # noqa: E402
+from hpcdp.optim import OneBitAdam, OneBitSGD  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
@@ -139,15 +139,79 @@ def test_evaluation_without_grad_runs_the_module_as_it_is(world):
     assert model.emb.sparse is False
 
 
-def test_compressed_momentum_optimizer_runs_the_model_unsplit(world):
-    """OneBitSGD averages momentum, not gradients: the rows cannot be added afterwards,
-    so the forward is not split (and training keeps the replicas identical)."""
+def _rows_gradient(world, model, x, y, n_tokens):
+    """The exact average over the ranks of the embedding's own gradient (the rows), float64."""
+    rank, size = world.Get_rank(), world.Get_size()
+    lo, hi = _share(B, size, rank)
+    ref = copy.deepcopy(model)
+    out = torch.func.functional_call(ref, {"out.weight": ref.emb.weight.detach()}, (x[lo:hi],),
+                                     tie_weights=False)
+    _loss(out, y[lo:hi], size / n_tokens).backward()
+    mine = ref.emb.weight.grad.double().numpy()
+    total = mine.copy()
+    world.Allreduce(mine, total)
+    return torch.from_numpy(total / size)
+
+
+def _distinct(t, tol=1e-5):
+    """Number of distinct values of ``t`` (values closer than ``tol`` count as one)."""
+    v = t.flatten().sort().values
+    return 1 + int((v[1:] - v[:-1] > tol).sum())
+
+
+def test_onebit_sgd_adds_the_exact_rows_to_the_compressed_momentum(world):
+    """OneBitSGD's momentum is linear in the gradient: the tied weight's output-layer share
+    is compressed with the momentum, the embedding's rows averaged exactly and added, so the
+    averaged momentum minus the rows' exact average holds 1-bit values (one magnitude per
+    chunk of the bucket: at most one per rank), while the momentum itself holds many."""
     model = _TinyLM().float()
     ddp = hpcdp.DistributedDataParallel(model)
     opt = OneBitSGD(ddp, lr=0.1, momentum=0.9, warmup_steps=1)
+    size = world.Get_size()
+    for step, (x, y) in enumerate(_batches(3, seed=5)):
+        opt.zero_grad()
+        rows = _rows_gradient(world, model, x, y, x.numel())
+        _local_step(world, ddp, x, y, x.numel())
+        assert ddp.reducer.tied is ddp._tied
+        opt.step()
+        if step == 0:  # the warm-up: exact
+            continue
+        m = opt.state[model.emb.weight]["momentum_buffer"].double()
+        assert _distinct((m - rows).abs()) <= size, _distinct((m - rows).abs())
+        assert _distinct(m.abs()) > 4 * size
+    _gather_equal(world, hpcdp.check_replicas(model))
+
+
+def test_onebit_adam_runs_the_model_unsplit(world):
+    """OneBitAdam divides its momentum by the denominator and clamps it before compression,
+    so the rows cannot be averaged beside it: the forward is not split (and training keeps
+    the replicas identical)."""
+    model = _TinyLM().float()
+    ddp = hpcdp.DistributedDataParallel(model)
+    opt = OneBitAdam(ddp, lr=1e-3, warmup_steps=1)
     for x, y in _batches(3, seed=5):
         opt.zero_grad()
         _local_step(world, ddp, x, y, x.numel())
         assert ddp.reducer.tied is None
         opt.step()
     _gather_equal(world, hpcdp.check_replicas(model))
+
+
+def test_rows_that_reach_a_masked_element_flag_its_parameter(world):
+    """A masked element (momentum exactly zero after the warm-up) that the rows give a
+    nonzero gradient flags the tied weight, so SGD drops its mask as for the buckets' part."""
+    model = _TinyLM().float()
+    ddp = hpcdp.DistributedDataParallel(model)
+    opt = OneBitSGD(ddp, lr=0.1, momentum=0.9, warmup_steps=1)
+    i, w = ddp._tied.ties[0].index, model.emb.weight
+    mask = torch.zeros_like(w, dtype=torch.bool)
+    mask[3, 5] = True
+    opt.state[w]["zero_mask"] = mask
+    opt.rows_added(i, torch.tensor([1, 2]), torch.ones(2, WIDTH))
+    assert opt._flags[i] == 0
+    row = torch.ones(1, WIDTH)
+    row[0, 5] = 0
+    opt.rows_added(i, torch.tensor([3]), row)  # row 3 reached, but not its masked element
+    assert opt._flags[i] == 0
+    opt.rows_added(i, torch.tensor([2, 3]), torch.ones(2, WIDTH))
+    assert opt._flags[i] == 1
