@@ -318,7 +318,8 @@ def _thread_setup():
     steps = []
     numba = sys.modules.get("numba")
     if numba is not None:  # (imported later, numba sizes every thread by NUMBA_NUM_THREADS)
-        numba_threads = numba.get_num_threads()
+        with keeping_torch_threads():  # (this may start numba's pool)
+            numba_threads = numba.get_num_threads()
         steps.append(lambda: numba.set_num_threads(numba_threads))
     torch = sys.modules.get("torch")
     if torch is not None:  # after numba's: see keeping_torch_threads
