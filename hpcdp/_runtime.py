@@ -315,19 +315,20 @@ def _thread_setup():
     are per thread: a new thread would use every core, and torch work on it (PowerSGD's
     products) would then spin threads against the ranks' own (measured: digits at np = 2 on
     2 cores with PowerSGD, 41 s instead of 3 s)."""
-    steps = []
-    numba = sys.modules.get("numba")
+    numba, torch = sys.modules.get("numba"), sys.modules.get("torch")
+    if numba is None and torch is None:
+        return None
     if numba is not None:  # (imported later, numba sizes every thread by NUMBA_NUM_THREADS)
         with keeping_torch_threads():  # (this may start numba's pool)
             numba_threads = numba.get_num_threads()
-        steps.append(lambda: numba.set_num_threads(numba_threads))
-    torch = sys.modules.get("torch")
-    if torch is not None:  # after numba's: see keeping_torch_threads
-        torch_threads = torch.get_num_threads()
-        steps.append(lambda: torch.set_num_threads(torch_threads))
-    if not steps:
-        return None
-    return lambda: [step() for step in steps]
+    torch_threads = torch.get_num_threads() if torch is not None else None
+
+    def setup():
+        if numba is not None:
+            numba.set_num_threads(numba_threads)
+        if torch is not None:  # after numba's: see keeping_torch_threads
+            torch.set_num_threads(torch_threads)
+    return setup
 
 
 def _import_torch():
