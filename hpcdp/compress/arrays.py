@@ -67,6 +67,13 @@ class NumpyArrays:
     def empty(self, shape, dtype, like):
         return np.empty(shape, dtype=dtype)
 
+    def reuse(self, buf, shape, dtype, like):
+        """``buf`` when it is an array of ``shape`` and ``dtype``, else a new one: a scratch
+        kept between calls (a fresh large array costs its page faults on every call)."""
+        if isinstance(buf, np.ndarray) and buf.shape == tuple(shape) and buf.dtype == dtype:
+            return buf
+        return self.empty(shape, dtype, like)
+
     def bits(self, payload):
         """16-bit payloads as the unsigned integers the kernels read and write."""
         return payload.view(np.uint16)
@@ -138,6 +145,14 @@ class TorchArrays:
 
     def empty(self, shape, dtype, like):
         return self.torch.empty(shape, dtype=dtype, device=like.device)
+
+    def reuse(self, buf, shape, dtype, like):
+        """``buf`` when it is a tensor of ``shape`` and ``dtype`` on ``like``'s device, else a
+        new one (see :meth:`NumpyArrays.reuse`)."""
+        if (isinstance(buf, self.torch.Tensor) and tuple(buf.shape) == tuple(shape)
+                and buf.dtype == dtype and buf.device == like.device):
+            return buf
+        return self.empty(shape, dtype, like)
 
     def bits(self, payload):
         return payload.view(self.torch.int16)

@@ -49,7 +49,8 @@ class OneBitState(BucketState):
     bucket used the state (:meth:`to_device`).
     """
 
-    __slots__ = ("step", "worker_residual", "server_residual", "parts", "_saved_parts")
+    __slots__ = ("step", "worker_residual", "server_residual", "parts", "_saved_parts",
+                 "server_mean")
     kind = "onebit"
 
     def __init__(self, name, numel, world_size, rank):
@@ -60,6 +61,7 @@ class OneBitState(BucketState):
         self.server_residual = np.zeros(hi - lo, dtype=np.float32)
         self.parts = {}         # segment start -> OneBitState of this rank's slice across nodes
         self._saved_parts = {}  # segment start -> state dict from a checkpoint, restored on use
+        self.server_mean = None  # the server phase's scratch (not state: rewritten every step)
 
     def part(self, start, numel, world_size, rank):
         """The state of this rank's slice of the segment at ``start`` (``numel`` elements,

@@ -123,7 +123,7 @@ class OneBit(Compressor):
         v = state.server_residual.shape[0]
         if compressed:
             weights = xp.divide(xp.read_scales(received), world)
-            mean = xp.empty(v, xp.float32, received)
+            mean = state.server_mean = xp.reuse(state.server_mean, (v,), xp.float32, received)
             self._k.onebit_unpack_mean(received, SCALE_NBYTES, weights, mean)
             self._pack(mean, state.server_residual, np.array([v]), out)
         else:

@@ -143,7 +143,8 @@ class CompressedMomentum(torch.optim.Optimizer):
                 g.add_(p, alpha=group["weight_decay"])
             if self._grad_weight(group) != 1.0:
                 g.mul_(self._grad_weight(group))
-            g.add_(self._buffer(state, p), alpha=self._beta(group))
+            if self._beta(group):  # SGD without momentum keeps none: u is the gradient
+                g.add_(self._buffer(state, p), alpha=self._beta(group))
             self._precondition(state, g)
 
     def _precondition(self, state, u) -> None:

@@ -68,9 +68,13 @@ class OneBitSGD(CompressedMomentum):
         p.add_(state["momentum_buffer"], alpha=-group["lr"])
 
     def _compressed_update(self, p, averaged, group, state):
-        m = self._buffer(state, p)
-        m.copy_(averaged)
-        p.add_(m, alpha=-group["lr"])
+        """``m = averaged; p -= lr * m``; without momentum no ``m`` is kept (as in
+        ``torch.optim.SGD``), which saves two passes over the parameters per step."""
+        if group["momentum"]:
+            self._buffer(state, p).copy_(averaged)
+        else:
+            state.pop("momentum_buffer", None)  # the warm-up's: no later step reads it
+        p.add_(averaged, alpha=-group["lr"])
 
 
 class OneBitAdam(CompressedMomentum):

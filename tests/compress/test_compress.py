@@ -309,6 +309,27 @@ def test_onebit_numba_matches_numpy_simulation():
         assert np.array_equal(np.sign(oa[0]), np.sign(ob[0]))  # same sign bits decoded
 
 
+def test_onebit_server_keeps_its_scratch_and_its_bits():
+    """The server's mean buffer is made once per state and reused: the outputs of a run
+    equal those of a run whose states lose their scratch before every step."""
+    n, world, steps = 5003, 3, 4
+    rng = np.random.default_rng(5)
+    inputs = [[rng.standard_normal(n).astype(np.float32) for _ in range(world)] for _ in range(steps)]
+    kept = [OneBitState("b", n, world, r) for r in range(world)]
+    fresh = [OneBitState("b", n, world, r) for r in range(world)]
+    scratch = None
+    for step, arrays in enumerate(inputs):
+        for st in fresh:
+            st.server_mean = None
+        a = simulate_onebit_allreduce([x.copy() for x in arrays], kept)
+        b = simulate_onebit_allreduce([x.copy() for x in arrays], fresh)
+        assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+        if step > 0:
+            assert kept[0].server_mean is scratch
+        scratch = kept[0].server_mean
+    assert scratch is not None and scratch.shape == kept[0].server_residual.shape
+
+
 def test_onebit_warmup_is_exact_then_compresses():
     comp = OneBit(warmup_steps=2)
     n, world = 100, 3

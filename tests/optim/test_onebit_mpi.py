@@ -115,6 +115,17 @@ def test_onebit_sgd_equals_the_reference_bit_for_bit(world, warmup, wd, caps):
     _same_everywhere(world, model)
 
 
+def test_onebit_sgd_without_momentum_equals_the_reference_bit_for_bit(world):
+    """momentum=0 skips the momentum passes (u = g + wd p, p -= lr avg): same bits, and no
+    momentum buffer is kept once the warm-up is over."""
+    make = lambda m: OneBitSGD(m, lr=0.05, momentum=0.0, weight_decay=0.01, warmup_steps=3)  # noqa: E731
+    model, ref_model, _, opt = _train(world, make, "sgd", 7, (0.0005, 0.003), lr=0.05, warmup=3,
+                                      momentum=0.0, weight_decay=0.01)
+    _assert_bits(model, ref_model)
+    _same_everywhere(world, model)
+    assert all("momentum_buffer" not in opt.state[p] for p in model.parameters())
+
+
 @pytest.mark.parametrize("wd", [0.0, 0.01])
 def test_onebit_adam_equals_the_reference_bit_for_bit(world, wd):
     make = lambda m: OneBitAdam(m, lr=1e-2, weight_decay=wd, warmup_steps=3)  # noqa: E731
