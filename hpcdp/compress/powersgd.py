@@ -200,7 +200,7 @@ class PowerSGD(Compressor):
             qm = q[pos_q:pos_q + m * r].view(r, m)
             qm.mul_(scale)
             approx = x[off:off + n * m].view(n, m)
-            _torch().mm(p[pos_p:pos_p + n * r].view(n, r), qm, out=approx)
+            _outer(p[pos_p:pos_p + n * r].view(n, r), qm, approx)
             state.error[off:off + n * m].sub_(approx.reshape(-1))
             state.qs[i].copy_(qm)
             pos_p += n * r
@@ -224,6 +224,23 @@ class PowerSGD(Compressor):
             g = torch.Generator().manual_seed(self.seed)
             state.qs = [torch.randn(self.rank, m, generator=g) for _, _, m in compressed]
         state.qs = [q.to(x.device) for q in state.qs]
+
+
+#: rows per product in :func:`_outer` on the CPU, for factors of at least 16 times as many
+OUTER_ROWS = 256
+
+
+def _outer(p, q, out) -> None:
+    """``out = p q`` (``n x r`` times ``r x m``). On the CPU, a tall ``n`` in blocks of
+    ``OUTER_ROWS`` rows: one product over it takes a slow BLAS path (measured on GPT-2's
+    50257 x 768 head at r = 4: 1.0-1.7 ns per element in one call, 0.5 in blocks, the same
+    bits); up to a few thousand rows one call is as fast."""
+    torch, n = _torch(), p.shape[0]
+    if out.device.type != "cpu" or n < 16 * OUTER_ROWS:
+        torch.mm(p, q, out=out)
+        return
+    for lo in range(0, n, OUTER_ROWS):
+        torch.mm(p[lo:lo + OUTER_ROWS], q, out=out[lo:lo + OUTER_ROWS])
 
 
 def _orthonormalise(p) -> None:

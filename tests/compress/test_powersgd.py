@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hpcdp.compress import PowerSGD, PowerSGDState, get_compressor  # noqa: E402
-from hpcdp.compress.powersgd import _orthonormalise  # noqa: E402
+from hpcdp.compress.powersgd import OUTER_ROWS, _orthonormalise, _outer  # noqa: E402
 
 from oracle import simulate_powersgd_allreduce  # noqa: E402
 
@@ -92,3 +92,12 @@ def test_state_dict_round_trip_continues_bit_for_bit():
         assert all(np.array_equal(x, y) for x, y in zip(out_a, out_b))
     with pytest.raises(ValueError, match="shapes"):
         PowerSGDState("b", NUMEL, 1, 0, shapes=[(3, 3)])
+
+
+def test_outer_product_in_row_blocks():
+    """A tall factor product is computed in blocks of rows on the CPU: the product still."""
+    g = torch.Generator().manual_seed(3)
+    p, q = torch.randn(16 * OUTER_ROWS + 5, 4, generator=g), torch.randn(4, 300, generator=g)
+    out = torch.full((p.shape[0], 300), float("nan"))
+    _outer(p, q, out)
+    assert torch.allclose(out, p @ q, rtol=1e-5, atol=1e-5)
