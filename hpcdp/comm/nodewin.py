@@ -7,9 +7,10 @@ Two windows over the node communicator (``Comm.Split_type(COMM_TYPE_SHARED)``):
 * the **data** window: per rank two halves of ``capacity`` bytes, every rank's part
   mapped into every rank; allocated on first use (:meth:`NodeWindow.attach_data`).
 
-A **flag round** replaces a node barrier: a rank makes its writes visible
-(``MPI_Win_sync``), optionally writes its call's signature, then raises its sequence
-number; the round is complete for it once every rank's number has reached its own.
+A **flag round** replaces a node barrier: a rank optionally writes its call's signature,
+orders its writes before what follows (``MPI_Win_sync``, a release), then raises its
+sequence number; the round is complete for it once every rank's number has reached its own,
+and one more ``MPI_Win_sync`` (an acquire) makes the peers' writes visible to its reads.
 No message is sent, and the wait is a read of one cache line. The signature lets the
 round double as the cross-rank argument check (:meth:`NodeWindow.mismatch`).
 
@@ -115,12 +116,11 @@ class NodeWindow:
     def post(self, sig=None, where: dict | None = None) -> Round | None:
         """Arrive at the next round (with this call's signature); return ``None`` when every
         rank has arrived already, else the :class:`Round` to wait on."""
-        self.ctl.Sync()
         if sig is not None:
             self._slots[(self.seq + 1) & 1][self._mine] = self._pack(sig)[0]
+        self.ctl.Sync()  # the data and the signature before the number: a release
         self.seq += 1
         self.seqs[self.rank] = self.seq
-        self.ctl.Sync()
         if min(self._seq_view) >= self.seq:
             return None
         return Round(self, where)
