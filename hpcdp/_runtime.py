@@ -79,7 +79,9 @@ class _Runtime:
         self.cuda_aware, self.cuda_aware_how = detect_cuda_aware(vendor)
         self.yield_cpu, self.wait_how = decide_wait(self.local_size, os.cpu_count() or 1,
                                                     loaded_libmpi())
-        self.kernel_threads, self.kernel_threads_how = _kernel_threads(self.local, self.rank)
+        self.cpu_share, self.cpu_share_how = _cpu_share(self.local)
+        self.kernel_threads, self.kernel_threads_how = _kernel_threads(
+            self.rank, self.cpu_share, self.cpu_share_how)
         self.engine = Engine(self.comm, MPI, mode, self.yield_cpu, thread_setup=_thread_setup)
         # small native exchanges outside the engine (trace clock alignment) never match ours
         self.control = self.comm.Dup()
@@ -261,20 +263,28 @@ def _say_shm_refused(rt, free, need: int, capacity: int) -> None:
     sys.stderr.flush()
 
 
-def _kernel_threads(local, rank: int) -> tuple[int, str]:
-    """``(threads, why)``: the thread count of hpcdp's numba kernels (the codecs) on this rank,
-    collective over the node communicator ``local``.
-
-    ``NUMBA_NUM_THREADS`` when set; else the CPUs this rank may run on (its affinity) divided
-    by the ranks of its node whose affinity shares any of them, at least 1: numba's own
-    default is every CPU of the machine for every rank, so ranks that share a node would
-    each start that many threads (measured: the 1-bit ResNet-50 step at np = 2 on 2 cores,
-    1.8x slower). Numba reads the variable when it is imported, so it is set here for this
-    process when numba is not imported yet; otherwise it is applied to this thread, and
-    :func:`_thread_setup` copies it to the progress thread."""
+def _cpu_share(local) -> tuple[int, str]:
+    """``(cpus, why)``: the CPUs this rank may run on (its affinity) divided by the ranks of
+    its node whose affinity shares any of them, at least 1 (collective over the node
+    communicator ``local``): bound ranks keep their cores, unbound ones share the node's.
+    What the rank's threads should add up to: numba's kernels (:func:`_kernel_threads`) and
+    ``hpcdp.train``'s torch threads."""
     mine = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
         else set(range(os.cpu_count() or 1))
-    sets = local.allgather(mine)  # every rank calls this, whatever it decides
+    sharing = sum(1 for other in local.allgather(mine) if other & mine)
+    return (max(1, len(mine) // max(1, sharing)),
+            f"{len(mine)} CPU(s) shared by {sharing} rank(s) of the node")
+
+
+def _kernel_threads(rank: int, share: int, share_how: str) -> tuple[int, str]:
+    """``(threads, why)``: the thread count of hpcdp's numba kernels (the codecs) on this rank.
+
+    ``NUMBA_NUM_THREADS`` when set; else the rank's CPU ``share`` (:func:`_cpu_share`):
+    numba's own default is every CPU of the machine for every rank, so ranks that share a
+    node would each start that many threads (measured: the 1-bit ResNet-50 step at np = 2 on
+    2 cores, 1.8x slower). Numba reads the variable when it is imported, so it is set here
+    for this process when numba is not imported yet; otherwise it is applied to this
+    thread, and :func:`_thread_setup` copies it to the progress thread."""
     given = os.environ.get("NUMBA_NUM_THREADS")
     if given:  # (an empty value counts as unset)
         if not given.strip().isdigit() or int(given) < 1:
@@ -282,8 +292,7 @@ def _kernel_threads(local, rank: int) -> tuple[int, str]:
                              "of threads >= 1 (or unset: hpcdp then splits the rank's CPUs among "
                              "the ranks of its node that share them)")
         return int(given), "NUMBA_NUM_THREADS"
-    sharing = sum(1 for other in sets if other & mine)
-    threads = max(1, len(mine) // max(1, sharing))
+    threads = share
     if "numba" not in sys.modules:
         os.environ["NUMBA_NUM_THREADS"] = str(threads)
     else:
@@ -291,7 +300,7 @@ def _kernel_threads(local, rank: int) -> tuple[int, str]:
         threads = min(threads, numba.config.NUMBA_NUM_THREADS)
         with keeping_torch_threads():  # (this may start numba's pool)
             numba.set_num_threads(threads)  # this thread's; the progress thread copies it
-    return threads, f"{len(mine)} CPU(s) shared by {sharing} rank(s) of the node"
+    return threads, share_how
 
 
 @contextlib.contextmanager
@@ -416,6 +425,8 @@ def info() -> dict:
         "staging": rt.staging_mode(),
         "wait": "yield" if rt.yield_cpu else "spin",
         "wait_how": rt.wait_how,
+        "cpu_share": rt.cpu_share,
+        "cpu_share_how": rt.cpu_share_how,
         "kernel_threads": rt.kernel_threads,
         "kernel_threads_how": rt.kernel_threads_how,
         "nodes": len(rt.nodes),

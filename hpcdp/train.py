@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -105,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--samples", type=int, default=8192,
                     help="synthetic models: number of samples (20%% held out for testing)")
     ap.add_argument("--threads", type=int, default=0,
-                    help="torch threads per rank (0: cores per node / ranks per node)")
+                    help="torch threads per rank (0: the rank's CPUs / the ranks of its node "
+                         "that share them)")
     ap.add_argument("--progress", default="auto", choices=["auto", "always", "never"],
                     help="rank 0's progress bar (auto: when stderr is a terminal)")
     ap.add_argument("--log-json", default=None, metavar="PATH",
@@ -195,9 +195,8 @@ def _place(job: _Job) -> None:
     """Torch threads per rank and the device (this rank's GPU, or the CPU)."""
     import torch
 
-    import hpcdp
     from ._runtime import runtime
-    job.threads = job.args.threads or max(1, (os.cpu_count() or 1) // hpcdp.local_size())
+    job.threads = job.args.threads or runtime().cpu_share
     torch.set_num_threads(job.threads)
     pinned = runtime().device
     if job.args.device == "cuda" and not pinned.startswith("cuda"):
