@@ -5,7 +5,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hpcdp.compress import PowerSGD, PowerSGDState, get_compressor  # noqa: E402
-from hpcdp.compress.powersgd import OUTER_ROWS, _orthonormalise, _outer  # noqa: E402
+from hpcdp.compress.powersgd import OUTER_ROWS, _orthonormalise, _outer, _project  # noqa: E402
 
 from oracle import simulate_powersgd_allreduce  # noqa: E402
 
@@ -39,9 +39,20 @@ def test_what_is_compressed_and_the_bytes():
 
 
 def test_orthonormalise_gives_orthonormal_columns():
-    p = torch.randn(50, 4)
-    _orthonormalise(p)
-    torch.testing.assert_close(p.t() @ p, torch.eye(4), atol=1e-5, rtol=0)
+    """Matrices of different lengths at once (zero-padded together), one with a zero column
+    (it stays zero) and one of a single row: each matrix's columns, not the batch's."""
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.randn(n, 4, generator=g) for n in (50, 7, 300)]
+    ps[1][:, 2] = 0
+    one = torch.randn(1, 4, generator=g)
+    _orthonormalise(ps + [one])
+    for p in (ps[0], ps[2]):
+        torch.testing.assert_close(p.t() @ p, torch.eye(4), atol=1e-5, rtol=0)
+    assert torch.equal(ps[1][:, 2], torch.zeros(7))
+    gram = ps[1].t() @ ps[1]
+    torch.testing.assert_close(gram.diagonal(), torch.tensor([1.0, 1.0, 0.0, 1.0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(one[0, 0].abs(), torch.tensor(1.0), atol=1e-5, rtol=0)
+    _orthonormalise([])  # nothing to do
 
 
 def test_error_feedback_keeps_what_was_not_sent():
@@ -97,7 +108,15 @@ def test_state_dict_round_trip_continues_bit_for_bit():
 def test_outer_product_in_row_blocks():
     """A tall factor product is computed in blocks of rows on the CPU: the product still."""
     g = torch.Generator().manual_seed(3)
-    p, q = torch.randn(16 * OUTER_ROWS + 5, 4, generator=g), torch.randn(4, 300, generator=g)
+    p, q = torch.randn(3 * OUTER_ROWS + 5, 4, generator=g), torch.randn(4, 300, generator=g)
     out = torch.full((p.shape[0], 300), float("nan"))
     _outer(p, q, out)
     assert torch.allclose(out, p @ q, rtol=1e-5, atol=1e-5)
+
+
+def test_project_is_the_product():
+    """P = M Q^T, computed on the CPU as (Q M^T)^T."""
+    g = torch.Generator().manual_seed(4)
+    mat, qt, out = torch.randn(70, 300, generator=g), torch.randn(4, 300, generator=g), torch.empty(70, 4)
+    _project(mat, qt, out)
+    assert torch.allclose(out, mat @ qt.t(), rtol=1e-5, atol=1e-5)
