@@ -39,14 +39,14 @@ def test_what_is_compressed_and_the_bytes():
 
 
 def test_orthonormalise_gives_orthonormal_columns():
-    """Matrices of different lengths at once (zero-padded together), one with a zero column
-    (it stays zero) and one of a single row: each matrix's columns, not the batch's."""
+    """Matrices of different lengths at once (two in one zero-padded batch), one with a zero
+    column (it stays zero) and one of a single row: each matrix's columns, not the batch's."""
     g = torch.Generator().manual_seed(1)
-    ps = [torch.randn(n, 4, generator=g) for n in (50, 7, 300)]
+    ps = [torch.randn(n, 4, generator=g) for n in (50, 7, 300, 40)]
     ps[1][:, 2] = 0
     one = torch.randn(1, 4, generator=g)
     _orthonormalise(ps + [one])
-    for p in (ps[0], ps[2]):
+    for p in (ps[0], ps[2], ps[3]):
         torch.testing.assert_close(p.t() @ p, torch.eye(4), atol=1e-5, rtol=0)
     assert torch.equal(ps[1][:, 2], torch.zeros(7))
     gram = ps[1].t() @ ps[1]
