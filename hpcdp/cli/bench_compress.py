@@ -1,25 +1,48 @@
-"""``hpcdp-bench compress``: time the compression kernels, numba against numpy.
+"""``hpcdp-bench compress``: time the compression kernels, numba against numpy (torch for PowerSGD).
 
 Each kernel runs once untimed (JIT compile or cache load, page faults), then
 ``--repeat`` times; the median wall time is reported. Output is one JSON object
 per line: a timing line per (kernel, impl), then a speedup line per kernel
-(numpy seconds / numba seconds). No MPI is used.
+(baseline seconds / numba seconds). PowerSGD's steps run on the elements as
+one matrix of ``POWERSGD_COLUMNS`` columns at rank 4; their baseline is its torch
+backend on the CPU, on as many threads as numba's. No MPI is used.
 """
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import statistics
 import time
 
 import numpy as np
 
-from hpcdp.compress import HalfPrecision, OneBit, has_nonfinite
+from hpcdp.compress import HalfPrecision, OneBit, PowerSGD, has_nonfinite
 
 DEFAULT_ELEMENTS = 16 * 2**20
+#: PowerSGD's bucket: one matrix of this many columns (ResNet-50's have 64-4608, GPT-2's
+#: 768-3072), at this rank
+POWERSGD_COLUMNS, POWERSGD_RANK = 1024, 4
+
+
+def _powersgd_kernels(impl, x, world):
+    """``{name: callable}``: PowerSGD's project (error feedback and P) and decode steps with
+    ``impl`` ("numba" or "torch") on the largest prefix of ``x`` that makes whole rows."""
+    import torch
+    columns = min(POWERSGD_COLUMNS, x.size)
+    shape = (x.size // columns, columns)
+    comp = PowerSGD(rank=POWERSGD_RANK, start_steps=0, min_compression_rate=0, impl=impl)
+    state = comp.new_state(shape[0] * columns, world, 0, name="bench", shapes=[shape])
+    grad = torch.from_numpy(x[:shape[0] * columns].copy())
+    p = comp.project(grad, state)
+    q = comp.back_project(grad, p, state)
+    return {"powersgd-project": lambda: comp.project(grad, state),
+            "powersgd-decode": lambda: comp.decode(grad, p, q, state, world)}
 
 
 def _kernels(impl, n, world, seed):
-    """``{name: zero-argument callable}`` for one implementation, inputs prepared."""
+    """``{name: (impl, zero-argument callable)}`` for one implementation ("numba", or the
+    baseline "numpy", whose PowerSGD twin is "torch"), inputs prepared."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(n).astype(np.float32)
     acc = np.zeros(n, np.float32)
@@ -46,7 +69,29 @@ def _kernels(impl, n, world, seed):
         kernels[f"{wire}-reduce-encode"] = lambda h=half, p=payload, s=sent: h.reduce_encode(
             p, x, scale=1.0 / world, out=s
         )
+    kernels = {name: (impl, fn) for name, fn in kernels.items()}
+    if importlib.util.find_spec("torch") is None:  # PowerSGD computes with torch
+        return kernels
+    psgd = "numba" if impl == "numba" else "torch"
+    kernels.update({name: (psgd, fn) for name, fn in _powersgd_kernels(psgd, x, world).items()})
     return kernels
+
+
+@contextlib.contextmanager
+def _torch_threads_as_numba():
+    """torch (PowerSGD's baseline) on as many threads as numba's kernels, for the block."""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    import numba
+    previous = torch.get_num_threads()
+    torch.set_num_threads(numba.get_num_threads())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _median_seconds(fn, repeat):
@@ -80,23 +125,26 @@ def main(argv=None):
     import numba
 
     seconds = {}
-    for impl in ("numba", "numpy"):
-        for kernel, fn in _kernels(impl, args.elements, args.world_size, args.seed).items():
-            seconds[kernel, impl] = _median_seconds(fn, args.repeat)
-            record = {
-                "bench": "compress",
-                "kernel": kernel,
-                "impl": impl,
-                "elements": args.elements,
-                "seconds": seconds[kernel, impl],
-            }
-            print(json.dumps(record), flush=True)
+    with _torch_threads_as_numba():
+        for side in ("numba", "baseline"):
+            impls = _kernels("numba" if side == "numba" else "numpy", args.elements, args.world_size,
+                             args.seed)
+            for kernel, (impl, fn) in impls.items():
+                seconds[kernel, side] = _median_seconds(fn, args.repeat)
+                record = {
+                    "bench": "compress",
+                    "kernel": kernel,
+                    "impl": impl,
+                    "elements": args.elements,
+                    "seconds": seconds[kernel, side],
+                }
+                print(json.dumps(record), flush=True)
     for kernel in dict.fromkeys(k for k, _ in seconds):
         record = {
             "bench": "compress",
             "kernel": kernel,
             "elements": args.elements,
-            "speedup": seconds[kernel, "numpy"] / seconds[kernel, "numba"],
+            "speedup": seconds[kernel, "baseline"] / seconds[kernel, "numba"],
             "numba_threads": numba.get_num_threads(),
             "world_size": args.world_size,
         }

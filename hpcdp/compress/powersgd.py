@@ -23,8 +23,11 @@ them; a flat buffer without shapes is one near-square matrix), over N ranks:
 
 Bytes per rank per compressed step: the ring's 2(N-1)/N of
 ``4 * (sum (n + m) r + uncompressed elements)``; e.g. mlp-large at r = 4: 0.5 %
-of float32. Everything is computed with torch on the buffer's device (numpy
-buffers are used through ``torch.from_numpy``, without copies).
+of float32. Computed with torch on the buffer's device (numpy buffers are used
+through ``torch.from_numpy``, without copies), except, with ``impl="numba"`` (the
+default), on the CPU: steps 3 and 6 each run as one fused pass of
+:mod:`~hpcdp.compress.powersgd_kernels` over the matrix (``impl="torch"`` keeps torch
+there too; CUDA tensors always use torch).
 """
 from __future__ import annotations
 
@@ -101,7 +104,9 @@ class PowerSGD(Compressor):
     collective = "lowrank"
 
     def __init__(self, rank: int = 2, start_steps: int | None = None, total_steps: int | None = None,
-                 min_compression_rate: float = 2.0, seed: int = 0):
+                 min_compression_rate: float = 2.0, seed: int = 0, impl: str = "numba"):
+        if impl not in ("numba", "torch"):
+            raise ValueError(f"PowerSGD impl must be 'numba' (CPU kernels) or 'torch', got {impl!r}")
         if int(rank) < 1:
             raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
         if start_steps is not None and int(start_steps) < 0:
@@ -115,14 +120,24 @@ class PowerSGD(Compressor):
             self.start_steps = START_STEPS
         self.min_compression_rate = float(min_compression_rate)
         self.seed = int(seed)
-        self.impl = "torch"
+        self.impl = impl
 
     def __repr__(self):
-        return f"PowerSGD(rank={self.rank}, start_steps={self.start_steps})"
+        return f"PowerSGD(rank={self.rank}, start_steps={self.start_steps}, impl={self.impl!r})"
 
     def to_torch(self):
-        """PowerSGD computes with torch on any device already."""
-        return self
+        """PowerSGD computing with torch only (what CUDA tensors get in any case)."""
+        if self.impl == "torch":
+            return self
+        return PowerSGD(self.rank, self.start_steps, min_compression_rate=self.min_compression_rate,
+                        seed=self.seed, impl="torch")
+
+    def _kernels(self, x):
+        """:mod:`~hpcdp.compress.powersgd_kernels` for a CPU buffer with ``impl="numba"``, else None."""
+        if self.impl != "numba" or x.device.type != "cpu":
+            return None
+        from . import powersgd_kernels  # imports numba: deferred so `import hpcdp` stays fast
+        return powersgd_kernels
 
     def new_state(self, numel, world_size, rank, name="bucket", shapes=None):
         return PowerSGDState(name, numel, world_size, rank, shapes)
@@ -160,14 +175,18 @@ class PowerSGD(Compressor):
         torch, x = _torch(), _as_tensor(data)
         compressed, plain = self._plan(state)
         self._ready(state, x, compressed)
-        for off, n, m in compressed:  # error feedback: the error memory now holds M
-            state.error[off:off + n * m].add_(x[off:off + n * m])
-        r = self.rank
+        r, kernels = self.rank, self._kernels(x)
         out = torch.empty(sum(n * r for _, n, _ in compressed) + sum(s for _, s in plain),
                           dtype=torch.float32, device=x.device)
         pos = 0
-        for (off, n, m), qt in zip(compressed, state.qs):
-            _project(state.error[off:off + n * m].view(n, m), qt, out[pos:pos + n * r].view(n, r))
+        for (off, n, m), qt in zip(compressed, state.qs):  # the error memory becomes M
+            grad, error, p = x[off:off + n * m].view(n, m), state.error[off:off + n * m].view(n, m), \
+                out[pos:pos + n * r].view(n, r)
+            if kernels is None:
+                error.add_(grad)
+                _project(error, qt, p)
+            else:
+                kernels.project(grad.numpy(), error.numpy(), qt.numpy(), p.numpy())
             pos += n * r
         for off, size in plain:
             out[pos:pos + size] = x[off:off + size]
@@ -196,14 +215,18 @@ class PowerSGD(Compressor):
         """Step 6: the bucket becomes the (averaged) approximation; error and ``Q`` kept."""
         x = _as_tensor(data)
         compressed, plain = self._plan(state)
-        r, scale = self.rank, 1.0 / world_size if average else 1.0
+        r, scale, kernels = self.rank, 1.0 / world_size if average else 1.0, self._kernels(x)
         pos_p = pos_q = 0
         for i, (off, n, m) in enumerate(compressed):
             qm = q[pos_q:pos_q + m * r].view(r, m)
             qm.mul_(scale)
-            approx = x[off:off + n * m].view(n, m)
-            _outer(p[pos_p:pos_p + n * r].view(n, r), qm, approx)
-            state.error[off:off + n * m].sub_(approx.reshape(-1))
+            pm, approx, error = p[pos_p:pos_p + n * r].view(n, r), x[off:off + n * m].view(n, m), \
+                state.error[off:off + n * m].view(n, m)
+            if kernels is None:
+                _outer(pm, qm, approx)
+                error.sub_(approx)
+            else:
+                kernels.decode(pm.numpy(), qm.numpy(), error.numpy(), approx.numpy())
             state.qs[i].copy_(qm)
             pos_p += n * r
             pos_q += m * r

@@ -538,7 +538,8 @@ def test_bench_compress_prints_json_lines(capsys):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     timings = [r for r in lines if "impl" in r]
     speedups = [r for r in lines if "speedup" in r]
-    assert {r["impl"] for r in timings} == {"numba", "numpy"}
+    assert {r["impl"] for r in timings} == {"numba", "numpy", "torch"}
+    assert {r["impl"] for r in timings if r["kernel"].startswith("powersgd")} == {"numba", "torch"}
     assert all(
         r["bench"] == "compress" and r["elements"] == 4096 and r["seconds"] > 0 for r in timings
     )
