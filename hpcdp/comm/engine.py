@@ -284,7 +284,11 @@ class Engine:
                 self._release(h)
 
     def _drive_backoff(self, h: Handle, MPI):
-        """Drive ``h`` to completion: Waitall when a caller waits, else test with back-off."""
+        """Drive ``h`` to completion: Waitall when a caller waits, else test with back-off:
+        ``sched_yield`` between the first 50 tests without progress, then sleeps of an eighth
+        of the time since the last progress, 20-200 us (a segment that takes milliseconds
+        on a slow link is tested a few dozen times, not hundreds: each test takes the GIL
+        and the core from backward)."""
         idle = 0
         while True:
             if self._waiters:
@@ -298,7 +302,7 @@ class Engine:
             if idle < 50:
                 os.sched_yield()
             else:
-                time.sleep(20e-6 if idle < 500 else 200e-6)
+                time.sleep(min(200e-6, max(20e-6, (monotonic() - self.last_progress) / 8)))
 
     # -- stall detection -----------------------------------------------------------
     def start_watchdog(self, timeout: float, abort, source: str = "HPCDP_STALL_TIMEOUT") -> None:
