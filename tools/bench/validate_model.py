@@ -49,36 +49,38 @@ def rate_bytes(rate: str) -> float:
 
 
 def points(records: list[dict]) -> dict:
-    """``{(nodes, ranks_per_node, placement, rate, algo, bytes): [seconds per round]}``."""
+    """``{(nodes, ranks_per_node, placement, rate, algo, bytes, check): [seconds per round]}``
+    (``check``: hpcdp's calls made their argument check; the cluster's lines skip it)."""
     out: dict[tuple, list] = {}
     for r in records:
         if r.get("bench") == "allreduce":  # one node, several algorithms per line
             for key, value in r.items():
                 if key.endswith("_time_s") and key not in ("hpcdp_time_s", "hpcdp_async_time_s"):
                     algo = key[:-len("_time_s")]
-                    out.setdefault((1, r["np"], "block", None, algo, r["bytes"]), []).append(value)
+                    out.setdefault((1, r["np"], "block", None, algo, r["bytes"], r.get("check", True)),
+                                   []).append(value)
         elif "algo" in r and "time_s" in r and "error" not in r:  # the cluster's lines
             cfg = (r["nodes"], r["ranks_per_node"], r["placement"], r["rate"])
-            out.setdefault(cfg + (r["algo"], r["bytes"]), []).append(r["time_s"])
-            out.setdefault(cfg + ("native", r["bytes"]), []).append(r["native_time_s"])
+            out.setdefault(cfg + (r["algo"], r["bytes"], False), []).append(r["time_s"])
+            out.setdefault(cfg + ("native", r["bytes"], False), []).append(r["native_time_s"])
     return out
 
 
 def predict(key: tuple, cal, cluster_cal) -> float:
-    nodes, rpn, placement, rate, algo, nbytes = key
+    nodes, rpn, placement, rate, algo, nbytes, check = key
     topo = costmodel.Topology.uniform(nodes, rpn, placement)
     if nodes > 1:
         cal = dataclasses.replace(cal, alpha_inter=cluster_cal.alpha_inter,
                                   beta_inter=rate_bytes(rate) if rate else cluster_cal.beta_inter)
     if algo == "auto":
         algo = costmodel.choose(nbytes, topo, cal)
-    return costmodel.predict(algo, nbytes, topo, cal)
+    return costmodel.predict(algo, nbytes, topo, cal, check=check)
 
 
 def validate(records: list[dict], cal, cluster_cal, cores: int) -> list[dict]:
     out = []
     for key, times in sorted(points(records).items(), key=lambda kv: tuple(map(str, kv[0]))):
-        nodes, rpn, placement, rate, algo, nbytes = key
+        nodes, rpn, placement, rate, algo, nbytes, _ = key
         measured = statistics.median(times)
         predicted = predict(key, cal, cluster_cal)
         error = predicted / measured - 1
