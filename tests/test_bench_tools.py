@@ -120,3 +120,21 @@ def test_least_link_bytes_count_every_communicating_mode_and_step():
                   bytes_sent_per_step=b) for m, b in (("single", 0), ("hpcdp", 10.0), ("naive", None))]
     from hpcdp.torch.zoo import parameter_count
     assert cluster_train.min_link_bytes(train, 4) == 6 * 10 + 6 * 4 * parameter_count("mlp-small") * 1.5
+
+
+def test_validation_predicts_each_round_with_its_own_calibration():
+    """A slow round measured after a slow calibration and a quiet one after a quiet one: each
+    is predicted exactly, so the paired error is 0 where one calibration would miss both."""
+    from hpcdp.comm import costmodel
+    quiet = costmodel.DEFAULTS
+    slow = dataclasses.replace(quiet, alpha_step=4 * quiet.alpha_step, alpha_call=4 * quiet.alpha_call,
+                               beta_intra=quiet.beta_intra / 4, gamma=quiet.gamma / 4)
+    topo = costmodel.Topology.uniform(1, 2)
+    times = {1: costmodel.predict("ring", MiB, topo, quiet, check=True),
+             2: costmodel.predict("ring", MiB, topo, slow, check=True)}
+    lines = [dict(_line(MiB, 1.0, r), ring_time_s=t) for r, t in times.items()]
+    (ring,) = [r for r in validate.validate(lines, {1: quiet, 2: slow}, quiet, cores=2)
+               if r["algo"] == "ring"]
+    assert ring["error"] == pytest.approx(0) and ring["within"] is True and ring["rounds"] == 2
+    (one,) = [r for r in validate.validate(lines, quiet, quiet, cores=2) if r["algo"] == "ring"]
+    assert one["error"] < -0.25 and one["within"] is False
