@@ -17,12 +17,15 @@ rank holds the same numbers; rank 0 prints one JSON line and writes the file (de
   constants (``p2p`` only where a node has two ranks);
 * alpha_sync: a flag round of the node's shared window (:mod:`hpcdp.comm.nodewin`), which
   the shared-memory algorithms wait on;
-* alpha_call: ``hpcdp.allreduce`` (``check=False``) of p float32 elements (one per rank, so
-  every ring step carries a message) minus the 2(p-1) ring steps it took, each timed as an
-  8-byte ``Sendrecv`` on the same world ring (so across nodes where the job spans them),
-  the two timed in pairs, median of the differences; at np = 1 the call alone;
-* alpha_check: the same call with its argument check (``check=True``, the default) minus
-  without, timed in pairs (0 at np = 1, which checks nothing);
+* alpha_call: ``hpcdp.allreduce`` (``check=False``) of an empty array: everything a call
+  costs but its messages;
+* alpha_ring_step: the same call of p float32 elements (one per rank, so every ring step
+  carries a message) minus the empty one, per step, minus an 8-byte ``Sendrecv`` on the same
+  world ring (so across nodes where the job spans them): the ring's own work per step; the
+  three timed in turn in every repetition, medians of the differences;
+* alpha_check: the ring's call with its argument check (``check=True``, the default) minus
+  without, timed in pairs (0 at np = 1, which checks nothing; every ring call here is
+  ``algo="ring"``);
 * alpha_native: ``MPI_Allreduce`` of 8 bytes on ``MPI_COMM_SELF`` (a native call's own cost);
 * alpha_inter, beta_inter: local rank 0 of the first two nodes exchange 8 bytes and 16 MiB
   (alpha_inter = time(8 B) - alpha_step, beta_inter = 16 MiB / (time(16 MiB) - time(8 B))),
@@ -145,28 +148,26 @@ def _inter(world, MPI, hostnames, reps: int, out: dict, notes: dict) -> None:
 
 
 def _call(world, MPI, reps: int, out: dict, notes: dict) -> None:
-    """alpha_call: hpcdp.allreduce of one float32 per rank minus 2(p-1) Sendrecv steps of 8
-    bytes on the same ring (rank r to r+1, so across nodes where the job spans them), timed
-    in pairs, one after the other in every repetition; the median of the differences."""
+    """alpha_call (an empty call), alpha_ring_step (per step, a call of one float32 per rank
+    minus the empty one and an 8-byte ``Sendrecv`` on the same ring), alpha_check (the
+    argument check) and alpha_native (a native call on one rank)."""
     import hpcdp
     p = world.Get_size()
-    x = np.zeros(p, np.float32)
+    x, empty = np.zeros(p, np.float32), np.zeros(0, np.float32)
     step_fn = _ring_exchange(world, MPI, TINY)
     step_fn()
-    diffs, steps, calls = [], [], []
+    calls, steps = [], []
     for _ in range(reps + 1):
-        steps.append(_median(world, step_fn, 1, 20) if p > 1 else 0.0)
-        calls.append(_median(world, lambda: hpcdp.allreduce(x, check=False), 1, 20))
-        diffs.append(calls[-1] - 2 * (p - 1) * steps[-1])
-    diff, step, call = (world.allreduce(statistics.median(v[1:]), op=MPI.MAX)
-                        for v in (diffs, steps, calls))
-    out["alpha_call"] = max(0.0, diff)
-    notes["alpha_call"] = f"one call {call * 1e6:.1f} us" + (
-        f" minus {2 * (p - 1)} ring steps of {step * 1e6:.1f} us (paired)" if p > 1 else "") + (
-        ", clamped at 0 (noise: the steps timed alone took longer)" if diff < 0 else "")
+        calls.append(_median(world, lambda: hpcdp.allreduce(empty, check=False), 1, 20))
+        if p > 1:
+            full = _median(world, lambda: hpcdp.allreduce(x, check=False, algo="ring"), 1, 20)
+            steps.append((full - calls[-1]) / (2 * (p - 1)) - _median(world, step_fn, 1, 20))
+    out["alpha_call"] = world.allreduce(statistics.median(calls[1:]), op=MPI.MAX)
+    notes["alpha_call"] = f"an empty call {out['alpha_call'] * 1e6:.1f} us"
     if p > 1:
-        checks = [_median(world, lambda: hpcdp.allreduce(x, check=True), 1, 20) - _median(
-            world, lambda: hpcdp.allreduce(x, check=False), 1, 20) for _ in range(reps + 1)]
+        out["alpha_ring_step"] = max(0.0, world.allreduce(statistics.median(steps[1:]), op=MPI.MAX))
+        checks = [_median(world, lambda: hpcdp.allreduce(x, check=True, algo="ring"), 1, 20) - _median(
+            world, lambda: hpcdp.allreduce(x, check=False, algo="ring"), 1, 20) for _ in range(reps + 1)]
         out["alpha_check"] = max(0.0, world.allreduce(statistics.median(checks[1:]), op=MPI.MAX))
     one = np.zeros(2, np.float32)
     out["alpha_native"] = world.allreduce(_median(

@@ -39,9 +39,10 @@ SHM_SMALL = 64 << 10
 ALGOS = ("ring", "shm", "two_level", "native_rd", "native_rsag", "native")
 HPCDP_ALGOS = ("ring", "shm", "two_level")
 # latencies may be 0 (alpha_inter on one node); bandwidths and speeds must be > 0
-_MAY_BE_ZERO = ("alpha_step", "alpha_inter", "alpha_sync", "alpha_call", "alpha_check")
+_MAY_BE_ZERO = ("alpha_step", "alpha_inter", "alpha_sync", "alpha_call", "alpha_check",
+                "alpha_ring_step")
 # fields a calibration file may leave out (files written before they existed): the defaults'
-_OPTIONAL = ("alpha_check", "alpha_native") + PROFILES
+_OPTIONAL = ("alpha_check", "alpha_native", "alpha_ring_step") + PROFILES
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ class Calibration:
     beta_inter: float   # one node's network link, each direction (shared by the node's ranks)
     beta_mem: float     # memcpy bandwidth of one rank (into / out of a shared window)
     gamma: float        # reduction speed of one rank (a += b, float32), bytes of b per second
-    alpha_check: float = 0.0   # what hpcdp's default per-call argument check adds to a call
+    alpha_check: float = 0.0   # what the default argument check adds to a ring call
+    alpha_ring_step: float = 0.0  # what a step of hpcdp's ring costs beyond its exchange
     alpha_native: float = 1e-6  # one native MPI_Allreduce call on one rank (mpi4py and MPI)
     # measured ((bytes, seconds), ...) by size, increasing: a Sendrecv between ring neighbours
     # inside a node (replaces alpha_step + n / beta_intra), a copy (n / beta_mem) and a float32
@@ -279,13 +281,14 @@ def _ring(n: int, topo: Topology, cal: Calibration) -> float:
     """hpcdp's flat ring over all p ranks (rank r sends to r + 1):
     1. scatter-reduce, p - 1 steps: each rank sends a chunk of n/p, receives one, adds it;
     2. allgather, p - 1 steps: the same messages, no addition.
-    A step is as slow as the slowest edge of the ring (see :func:`_step`)."""
+    A step is as slow as the slowest edge of the ring (see :func:`_step`), plus the ring's
+    own bookkeeping (alpha_ring_step)."""
     p = topo.size
     if p == 1 or n == 0:
         return cal.alpha_call
     chunk = n / p
-    return (cal.alpha_call + 2 * (p - 1) * _step(_pattern(topo, "ring"), cal, chunk)
-            + (p - 1) * cal.t_add(chunk))
+    step = _step(_pattern(topo, "ring"), cal, chunk) + cal.alpha_ring_step
+    return cal.alpha_call + 2 * (p - 1) * step + (p - 1) * cal.t_add(chunk)
 
 
 def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
@@ -337,7 +340,7 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGM
     chunk = n / (lmin * N)
     ring = 2 * (N - 1) * lmin * chunk / cal.beta_inter + (N - 1) * cal.t_add(chunk)
     gather = cal.t_copy(n)
-    latency = 2 * cal.alpha_sync + 2 * (N - 1) * (cal.t_p2p(0) + cal.alpha_inter)
+    latency = 2 * cal.alpha_sync + 2 * (N - 1) * (cal.t_p2p(0) + cal.alpha_ring_step + cal.alpha_inter)
     return cal.alpha_call + scatter + ring + gather + math.ceil(n / segment) * latency
 
 
@@ -387,10 +390,11 @@ def predict(algo: str, nbytes: int, topo: Topology, cal: Calibration = DEFAULTS,
     hpcdp's own include alpha_call). ``segment``: the node window's segment (shm and
     two_level); ``small``: the size up to which shm's one-round variant may be taken;
     ``check``: hpcdp's call makes its argument check (the default of ``hpcdp.allreduce``;
-    DDP's buckets skip it), which adds alpha_check."""
+    DDP's buckets skip it), which adds alpha_check to the ring and two_level (shm carries the
+    check in its own flag round)."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, not {nbytes}")
-    if check and algo in HPCDP_ALGOS and topo.size > 1:
+    if check and algo in ("ring", "two_level") and topo.size > 1:
         return cal.alpha_check + predict(algo, nbytes, topo, cal, segment=segment, small=small)
     if algo == "ring":
         return _ring(nbytes, topo, cal)
