@@ -100,6 +100,7 @@ class Calibration:
                 continue
             if name not in d:
                 if name in _OPTIONAL:
+                    values[name] = getattr(DEFAULTS, name)
                     continue
                 raise ValueError(f"missing field {name!r}")
             v = d[name]
@@ -116,13 +117,15 @@ class Calibration:
 
 # hpcdp-bench calibrate on the 2-core VM hpcdp is developed on (MPICH 5, one rank a core,
 # quiet), and a 1 Gbit/s link between nodes: alpha_step 2-3 us, alpha_sync (a flag round)
-# 0.6-1 us, alpha_call ~3 us, beta_intra 15-17 GB/s, beta_mem and gamma 40-44 GB/s over a
-# 4 MiB segment (in cache). Two ranks a core (np = 4): 9-13 us, 5-7 us, 5 GB/s, 17-19 GB/s.
-# With these the model prefers shm on one node below 16 MiB at two ranks and at every size
-# at four (the runtime offers it only up to one segment, see _Runtime.auto_algo), and
-# two_level across nodes. Measure your machine (hpcdp-bench calibrate).
-DEFAULTS = Calibration(alpha_step=2.5e-6, alpha_inter=50e-6, alpha_sync=0.8e-6, alpha_call=3e-6,
-                       beta_intra=16e9, beta_inter=125e6, beta_mem=40e9, gamma=40e9)
+# 0.6-1 us, alpha_call (an empty call) 5.5-6.5 us, alpha_ring_step ~2 us, alpha_check ~3 us,
+# a native call on one rank 0.5 us, beta_intra 15-17 GB/s, beta_mem and gamma 40-44 GB/s over
+# a 4 MiB segment (in cache). Without profiles the model takes in-cache speeds at every size;
+# it prefers shm on one node at two ranks below 16 MiB and at four at every size (the runtime
+# offers shm only up to one segment, see _Runtime.auto_algo), and two_level across nodes.
+# Measure your machine (hpcdp-bench calibrate): that also writes the profiles.
+DEFAULTS = Calibration(alpha_step=2.5e-6, alpha_inter=50e-6, alpha_sync=0.8e-6, alpha_call=6e-6,
+                       beta_intra=16e9, beta_inter=125e6, beta_mem=40e9, gamma=40e9,
+                       alpha_check=3e-6, alpha_ring_step=2e-6, alpha_native=0.5e-6)
 
 
 def _profile(name: str, points) -> tuple:

@@ -43,7 +43,7 @@ def test_ring_formula_on_one_node():
     """2(p-1) steps of n/p at beta_intra, the scatter-reduce half also reduces."""
     cal, p, n = DEFAULTS, 4, 8 * MIB
     chunk = n / p
-    expect = (cal.alpha_call + 2 * (p - 1) * (cal.alpha_step + chunk / cal.beta_intra)
+    expect = (cal.alpha_call + 2 * (p - 1) * (cal.alpha_step + cal.alpha_ring_step + chunk / cal.beta_intra)
               + (p - 1) * chunk / cal.gamma)
     assert predict("ring", n, Topology.uniform(1, p), cal) == pytest.approx(expect)
 
@@ -82,7 +82,7 @@ def test_two_level_beats_the_flat_ring_across_slow_links():
     assert two < ring
     # with everything but the link free, each is its link bytes over the link bandwidth
     fast = dataclasses.replace(DEFAULTS, alpha_step=0, alpha_inter=0, alpha_sync=0, alpha_call=0,
-                               beta_intra=1e30, beta_mem=1e30, gamma=1e30)
+                               alpha_ring_step=0, beta_intra=1e30, beta_mem=1e30, gamma=1e30)
     for algo in ("ring", "two_level"):
         assert predict(algo, n, topo, fast) == pytest.approx(
             costmodel.link_bytes(algo, n, topo) / fast.beta_inter)
@@ -96,11 +96,12 @@ def test_two_level_formula_and_its_segments():
     chunk = n / (L * N)
     expect = (cal.alpha_call
               + n / cal.beta_mem + cal.alpha_sync + n / L / cal.beta_mem + (L - 1) * n / L / cal.gamma
-              + 2 * (N - 1) * (cal.alpha_step + cal.alpha_inter + L * chunk / cal.beta_inter)
+              + 2 * (N - 1) * (cal.alpha_step + cal.alpha_ring_step + cal.alpha_inter
+                               + L * chunk / cal.beta_inter)
               + (N - 1) * chunk / cal.gamma
               + cal.alpha_sync + n / cal.beta_mem)
     assert predict("two_level", n, topo, cal, segment=n) == pytest.approx(expect)
-    per_segment = 2 * cal.alpha_sync + 2 * (N - 1) * (cal.alpha_step + cal.alpha_inter)
+    per_segment = 2 * cal.alpha_sync + 2 * (N - 1) * (cal.alpha_step + cal.alpha_ring_step + cal.alpha_inter)
     assert predict("two_level", n, topo, cal) == pytest.approx(expect + per_segment)  # 2 x 4 MiB
 
 
