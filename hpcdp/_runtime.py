@@ -156,7 +156,7 @@ class _Runtime:
         if algo is None:
             from .comm.costmodel import choose
             # shm only up to one segment: beyond, the ring's pipeline wins here at 16 MiB and
-            # up (np = 2 and 4), which the model's in-cache copy speed does not see
+            # up (np = 2 and 4), which the model sees only with a calibration's profiles
             available = ("ring", "two_level") if len(self.nodes) > 1 else \
                 ("ring", "shm") if nbytes <= self.shm_bytes else ("ring",)
             algo = self._auto[nbytes] = choose(nbytes, self.topology(), self.calibration, available)

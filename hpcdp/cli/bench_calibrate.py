@@ -10,14 +10,23 @@ rank holds the same numbers; rank 0 prints one JSON line and writes the file (de
 
 * alpha_step: a Python-driven ``Sendrecv`` of 8 bytes with the ring neighbours inside the node;
 * beta_intra: a 4 MiB ``Sendrecv`` between the same neighbours (4 MiB / (time - alpha_step));
-* beta_mem: ``np.copyto`` of 32 MiB; gamma: ``np.add(a, b, out=a)`` over 32 MiB of float32
+* beta_mem: ``np.copyto`` of 4 MiB; gamma: ``np.add(a, b, out=a)`` over 4 MiB of float32
   (every rank at once, as in an allreduce);
+* the profiles ``p2p``, ``copy`` and ``add``: the same three operations at each size of
+  ``costmodel.PROFILE_SIZES`` (8 B to 16 MiB), which the model reads instead of the
+  constants (``p2p`` only where a node has two ranks);
 * alpha_sync: a flag round of the node's shared window (:mod:`hpcdp.comm.nodewin`), which
   the shared-memory algorithms wait on;
-* alpha_call: ``hpcdp.allreduce`` (``check=False``) of p float32 elements (one per rank, so
-  every ring step carries a message) minus the 2(p-1) ring steps it took, each timed as an
-  8-byte ``Sendrecv`` on the same world ring (so across nodes where the job spans them),
-  the two timed in pairs, median of the differences; at np = 1 the call alone;
+* alpha_call: ``hpcdp.allreduce`` (``check=False``) of an empty array: everything a call
+  costs but its messages;
+* alpha_ring_step: the same call of p float32 elements (one per rank, so every ring step
+  carries a message) minus the empty one, per step, minus an 8-byte ``Sendrecv`` on the same
+  world ring (so across nodes where the job spans them): the ring's own work per step; the
+  three timed in turn in every repetition, medians of the differences;
+* alpha_check: the ring's call with its argument check (``check=True``, the default) minus
+  without, timed in pairs (0 at np = 1, which checks nothing; every ring call here is
+  ``algo="ring"``);
+* alpha_native: ``MPI_Allreduce`` of 8 bytes on ``MPI_COMM_SELF`` (a native call's own cost);
 * alpha_inter, beta_inter: local rank 0 of the first two nodes exchange 8 bytes and 16 MiB
   (alpha_inter = time(8 B) - alpha_step, beta_inter = 16 MiB / (time(16 MiB) - time(8 B))),
   only when the job spans nodes.
@@ -86,15 +95,36 @@ def _node_p2p(world, local, MPI, reps: int, out: dict, notes: dict) -> None:
     out["beta_intra"] = P2P / (big - tiny if big > 2 * tiny else big)
 
 
+def _p2p_profile(world, local, MPI, reps: int, out: dict) -> None:
+    """The ``p2p`` profile: a ring ``Sendrecv`` inside every node per profiled size."""
+    if not world.allreduce(local.Get_size() > 1, op=MPI.LAND):
+        return
+    out["p2p"] = [[n, world.allreduce(_median(local, _ring_exchange(local, MPI, n), reps,
+                                              _inner(n)), op=MPI.MAX)]
+                  for n in costmodel.PROFILE_SIZES]
+
+
+def _inner(nbytes: int) -> int:
+    """Calls per timed repetition: enough that a tiny one is not just the clock."""
+    return 20 if nbytes <= 64 << 10 else 2
+
+
 def _memory(world, MPI, reps: int, out: dict) -> None:
-    """beta_mem (np.copyto) and gamma (np.add over float32), every rank at once."""
-    n = SEGMENT // 4
-    a, b = np.zeros(n, np.float32), np.full(n, 1e-3, np.float32)
-    dst = np.zeros(n, np.float32)
-    copy = _median(world, lambda: np.copyto(dst, b), reps)
-    add = _median(world, lambda: np.add(a, b, out=a), reps)
-    out["beta_mem"] = SEGMENT / world.allreduce(copy, op=MPI.MAX)
-    out["gamma"] = SEGMENT / world.allreduce(add, op=MPI.MAX)
+    """beta_mem (np.copyto) and gamma (np.add over float32) of a segment, and their profiles,
+    every rank at once."""
+    def copy_add(nbytes):
+        n = max(1, nbytes // 4)
+        a, b = np.zeros(n, np.float32), np.full(n, 1e-3, np.float32)
+        dst = np.zeros(n, np.float32)
+        copy = _median(world, lambda: np.copyto(dst, b), reps, _inner(nbytes))
+        add = _median(world, lambda: np.add(a, b, out=a), reps, _inner(nbytes))
+        return world.allreduce(copy, op=MPI.MAX), world.allreduce(add, op=MPI.MAX)
+
+    copy, add = copy_add(SEGMENT)
+    out["beta_mem"], out["gamma"] = SEGMENT / copy, SEGMENT / add
+    profile = [(n, copy_add(n)) for n in costmodel.PROFILE_SIZES]
+    out["copy"] = [[n, c] for n, (c, _) in profile]
+    out["add"] = [[n, a] for n, (_, a) in profile]
 
 
 def _inter(world, MPI, hostnames, reps: int, out: dict, notes: dict) -> None:
@@ -118,25 +148,30 @@ def _inter(world, MPI, hostnames, reps: int, out: dict, notes: dict) -> None:
 
 
 def _call(world, MPI, reps: int, out: dict, notes: dict) -> None:
-    """alpha_call: hpcdp.allreduce of one float32 per rank minus 2(p-1) Sendrecv steps of 8
-    bytes on the same ring (rank r to r+1, so across nodes where the job spans them), timed
-    in pairs, one after the other in every repetition; the median of the differences."""
+    """alpha_call (an empty call), alpha_ring_step (per step, a call of one float32 per rank
+    minus the empty one and an 8-byte ``Sendrecv`` on the same ring), alpha_check (the
+    argument check) and alpha_native (a native call on one rank)."""
     import hpcdp
     p = world.Get_size()
-    x = np.zeros(p, np.float32)
+    x, empty = np.zeros(p, np.float32), np.zeros(0, np.float32)
     step_fn = _ring_exchange(world, MPI, TINY)
     step_fn()
-    diffs, steps, calls = [], [], []
+    calls, steps = [], []
     for _ in range(reps + 1):
-        steps.append(_median(world, step_fn, 1, 20) if p > 1 else 0.0)
-        calls.append(_median(world, lambda: hpcdp.allreduce(x, check=False), 1, 20))
-        diffs.append(calls[-1] - 2 * (p - 1) * steps[-1])
-    diff, step, call = (world.allreduce(statistics.median(v[1:]), op=MPI.MAX)
-                        for v in (diffs, steps, calls))
-    out["alpha_call"] = max(0.0, diff)
-    notes["alpha_call"] = f"one call {call * 1e6:.1f} us" + (
-        f" minus {2 * (p - 1)} ring steps of {step * 1e6:.1f} us (paired)" if p > 1 else "") + (
-        ", clamped at 0 (noise: the steps timed alone took longer)" if diff < 0 else "")
+        calls.append(_median(world, lambda: hpcdp.allreduce(empty, check=False), 1, 20))
+        if p > 1:
+            full = _median(world, lambda: hpcdp.allreduce(x, check=False, algo="ring"), 1, 20)
+            steps.append((full - calls[-1]) / (2 * (p - 1)) - _median(world, step_fn, 1, 20))
+    out["alpha_call"] = world.allreduce(statistics.median(calls[1:]), op=MPI.MAX)
+    notes["alpha_call"] = f"an empty call {out['alpha_call'] * 1e6:.1f} us"
+    if p > 1:
+        out["alpha_ring_step"] = max(0.0, world.allreduce(statistics.median(steps[1:]), op=MPI.MAX))
+        checks = [_median(world, lambda: hpcdp.allreduce(x, check=True, algo="ring"), 1, 20) - _median(
+            world, lambda: hpcdp.allreduce(x, check=False, algo="ring"), 1, 20) for _ in range(reps + 1)]
+        out["alpha_check"] = max(0.0, world.allreduce(statistics.median(checks[1:]), op=MPI.MAX))
+    one = np.zeros(2, np.float32)
+    out["alpha_native"] = world.allreduce(_median(
+        world, lambda: MPI.COMM_SELF.Allreduce(MPI.IN_PLACE, one, op=MPI.SUM), reps, 20), op=MPI.MAX)
 
 
 def _flag_round(local, MPI, reps: int) -> float:
@@ -165,6 +200,7 @@ def measure(rt, reps: int = 11) -> tuple:
     out, notes = {}, {}
     try:
         _node_p2p(world, local, MPI, reps, out, notes)
+        _p2p_profile(world, local, MPI, reps, out)
         _memory(world, MPI, reps, out)
         out["alpha_sync"] = world.allreduce(_flag_round(local, MPI, reps), op=MPI.MAX)
         _inter(world, MPI, rt.hostnames, reps, out, notes)
@@ -176,7 +212,7 @@ def measure(rt, reps: int = 11) -> tuple:
     source = rt.comm.bcast(  # rank 0's clock: the same text on every rank
         f"hpcdp-bench calibrate {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}, "
         f"np={rt.size} on {nodes} node(s) ({rt.hostnames[0]}{', ...' if nodes > 1 else ''})", root=0)
-    cal = dataclasses.replace(costmodel.DEFAULTS, **out, source=source)
+    cal = costmodel.Calibration.from_dict({**costmodel.DEFAULTS.to_dict(), **out, "source": source})
     return cal, sorted(out), notes
 
 

@@ -2,7 +2,11 @@
 contrast): predicted seconds per call from a :class:`Topology` and measured constants
 (:class:`Calibration`, written by ``hpcdp-bench calibrate``, read by :func:`load`).
 
-Per message: alpha (latency) + bytes / beta (bandwidth); per reduction: bytes / gamma. The
+Per message: alpha (latency) + bytes / beta (bandwidth); per reduction: bytes / gamma. Where
+the calibration holds measured profiles (times per size of a point-to-point exchange inside a
+node, of a copy and of a float32 addition: ``hpcdp-bench calibrate`` writes them), those three
+are read off the profiles instead (piecewise linear between the measured sizes, the largest
+one's rate beyond it), which sees per-call overheads and buffers that leave the cache. The
 model is a sum of dependent steps (no overlap between steps; the ring's segment pipelining
 inside a step is not modelled), each step as slow as its slowest link. A node's network link
 is shared by every message that leaves the node in the same step. Standard library only: no
@@ -27,12 +31,18 @@ from pathlib import Path
 ENV_VAR = "HPCDP_CALIBRATION"
 # one message of MPI's own C implementation inside a node (MPICH shared memory, a few us)
 NATIVE_ALPHA_INTRA = 2e-6
+#: the sizes hpcdp-bench calibrate profiles (bytes): tiny, in cache, and out of it
+PROFILE_SIZES = (8, 4 << 10, 64 << 10, 1 << 20, 16 << 20)
+PROFILES = ("p2p", "copy", "add")
 SHM_SEGMENT = 4 << 20
 SHM_SMALL = 64 << 10
 ALGOS = ("ring", "shm", "two_level", "native_rd", "native_rsag", "native")
 HPCDP_ALGOS = ("ring", "shm", "two_level")
 # latencies may be 0 (alpha_inter on one node); bandwidths and speeds must be > 0
-_MAY_BE_ZERO = ("alpha_step", "alpha_inter", "alpha_sync", "alpha_call")
+_MAY_BE_ZERO = ("alpha_step", "alpha_inter", "alpha_sync", "alpha_call", "alpha_check",
+                "alpha_ring_step")
+# fields a calibration file may leave out (files written before they existed): the defaults'
+_OPTIONAL = ("alpha_check", "alpha_native", "alpha_ring_step") + PROFILES
 
 
 @dataclass(frozen=True)
@@ -46,10 +56,31 @@ class Calibration:
     beta_inter: float   # one node's network link, each direction (shared by the node's ranks)
     beta_mem: float     # memcpy bandwidth of one rank (into / out of a shared window)
     gamma: float        # reduction speed of one rank (a += b, float32), bytes of b per second
+    alpha_check: float = 0.0   # what the default argument check adds to a ring call
+    alpha_ring_step: float = 0.0  # what a step of hpcdp's ring costs beyond its exchange
+    alpha_native: float = 1e-6  # one native MPI_Allreduce call on one rank (mpi4py and MPI)
+    # measured ((bytes, seconds), ...) by size, increasing: a Sendrecv between ring neighbours
+    # inside a node (replaces alpha_step + n / beta_intra), a copy (n / beta_mem) and a float32
+    # addition (n / gamma); empty: the constants
+    p2p: tuple = ()
+    copy: tuple = ()
+    add: tuple = ()
     source: str = "defaults"  # "defaults", or the file it was read from and when it was measured
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def t_p2p(self, n: float) -> float:
+        """Seconds of a point-to-point exchange of ``n`` bytes inside a node (Python-driven)."""
+        return _read(self.p2p, n) if self.p2p else self.alpha_step + n / self.beta_intra
+
+    def t_copy(self, n: float) -> float:
+        """Seconds of one rank's copy of ``n`` bytes (every rank copying at once)."""
+        return _read(self.copy, n) if self.copy else n / self.beta_mem
+
+    def t_add(self, n: float) -> float:
+        """Seconds of one rank's float32 ``a += b`` over ``n`` bytes of ``b``."""
+        return _read(self.add, n) if self.add else n / self.gamma
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
@@ -63,7 +94,14 @@ class Calibration:
                              f"(known: {', '.join(names)})")
         values = {}
         for name in names[:-1]:
+            if name in PROFILES:
+                if name in d:
+                    values[name] = _profile(name, d[name])
+                continue
             if name not in d:
+                if name in _OPTIONAL:
+                    values[name] = getattr(DEFAULTS, name)
+                    continue
                 raise ValueError(f"missing field {name!r}")
             v = d[name]
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
@@ -79,13 +117,44 @@ class Calibration:
 
 # hpcdp-bench calibrate on the 2-core VM hpcdp is developed on (MPICH 5, one rank a core,
 # quiet), and a 1 Gbit/s link between nodes: alpha_step 2-3 us, alpha_sync (a flag round)
-# 0.6-1 us, alpha_call ~3 us, beta_intra 15-17 GB/s, beta_mem and gamma 40-44 GB/s over a
-# 4 MiB segment (in cache). Two ranks a core (np = 4): 9-13 us, 5-7 us, 5 GB/s, 17-19 GB/s.
-# With these the model prefers shm on one node below 16 MiB at two ranks and at every size
-# at four (the runtime offers it only up to one segment, see _Runtime.auto_algo), and
-# two_level across nodes. Measure your machine (hpcdp-bench calibrate).
-DEFAULTS = Calibration(alpha_step=2.5e-6, alpha_inter=50e-6, alpha_sync=0.8e-6, alpha_call=3e-6,
-                       beta_intra=16e9, beta_inter=125e6, beta_mem=40e9, gamma=40e9)
+# 0.6-1 us, alpha_call (an empty call) 5.5-6.5 us, alpha_ring_step ~2 us, alpha_check ~3 us,
+# a native call on one rank 0.5 us, beta_intra 15-17 GB/s, beta_mem and gamma 40-44 GB/s over
+# a 4 MiB segment (in cache). Without profiles the model takes in-cache speeds at every size;
+# it prefers shm on one node at two ranks below 16 MiB and at four at every size (the runtime
+# offers shm only up to one segment, see _Runtime.auto_algo), and two_level across nodes.
+# Measure your machine (hpcdp-bench calibrate): that also writes the profiles.
+DEFAULTS = Calibration(alpha_step=2.5e-6, alpha_inter=50e-6, alpha_sync=0.8e-6, alpha_call=6e-6,
+                       beta_intra=16e9, beta_inter=125e6, beta_mem=40e9, gamma=40e9,
+                       alpha_check=3e-6, alpha_ring_step=2e-6, alpha_native=0.5e-6)
+
+
+def _profile(name: str, points) -> tuple:
+    """A profile field as ``((bytes, seconds), ...)``: pairs of positive numbers, sizes increasing."""
+    bad = ValueError(f"field {name!r} must be a list of [bytes, seconds] pairs of positive "
+                     f"numbers, sizes increasing, not {points!r}")
+    if not isinstance(points, (list, tuple)):
+        raise bad
+    out = []
+    for pair in points:
+        ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            for v in pair)
+        if not ok or (out and pair[0] <= out[-1][0]):
+            raise bad
+        out.append((int(pair[0]), float(pair[1])))
+    return tuple(out)
+
+
+def _read(profile: tuple, n: float) -> float:
+    """Seconds for ``n`` bytes off a measured profile: the first point's time below its size,
+    linear between two points, the last point's time per byte beyond it."""
+    if n <= profile[0][0]:
+        return profile[0][1]
+    for (b0, t0), (b1, t1) in zip(profile, profile[1:]):
+        if n <= b1:
+            return t0 + (t1 - t0) * (n - b0) / (b1 - b0)
+    b, t = profile[-1]
+    return t * n / b
 
 
 def default_path() -> Path:
@@ -196,52 +265,56 @@ def _pattern(topo: Topology, kind: str, k: int = 0) -> tuple:
     return intra, max(out.values(), default=0)
 
 
-def _link(pattern: tuple, cal: Calibration, alpha_intra: float) -> tuple:
-    """(alpha, beta) of a step with the message ``pattern`` (:func:`_pattern`): as slow as
-    its slowest message. One that leaves its node shares the node's link with every other
-    message leaving that node in the step, and pays alpha_inter on top of ``alpha_intra``."""
+def _step(pattern: tuple, cal: Calibration, n: float, native: bool = False) -> float:
+    """Seconds of a step in which messages of ``n`` bytes follow ``pattern`` (:func:`_pattern`):
+    as slow as its slowest message. One inside a node is a point-to-point exchange
+    (:meth:`Calibration.t_p2p`; native MPI's own, in C, pays ``NATIVE_ALPHA_INTRA`` instead of
+    the Python-driven exchange's latency); one that leaves its node pays ``alpha_inter`` on
+    top and shares the node's link with every other message leaving that node in the step."""
     intra, leaving = pattern
+    alpha = NATIVE_ALPHA_INTRA if native else cal.t_p2p(0)
+    inside = cal.t_p2p(n) - cal.t_p2p(0) + alpha
     if not leaving:
-        return alpha_intra, cal.beta_intra
-    beta = cal.beta_inter / leaving
-    return alpha_intra + cal.alpha_inter, min(beta, cal.beta_intra) if intra else beta
+        return inside
+    across = alpha + cal.alpha_inter + n * leaving / cal.beta_inter
+    return max(across, inside) if intra else across
 
 
 def _ring(n: int, topo: Topology, cal: Calibration) -> float:
     """hpcdp's flat ring over all p ranks (rank r sends to r + 1):
     1. scatter-reduce, p - 1 steps: each rank sends a chunk of n/p, receives one, adds it;
     2. allgather, p - 1 steps: the same messages, no addition.
-    A step is alpha_step (+ alpha_inter if any edge of the ring crosses nodes) plus
-    chunk / the slowest edge's bandwidth (see :func:`_link`)."""
+    A step is as slow as the slowest edge of the ring (see :func:`_step`), plus the ring's
+    own bookkeeping (alpha_ring_step)."""
     p = topo.size
     if p == 1 or n == 0:
         return cal.alpha_call
-    alpha, beta = _link(_pattern(topo, "ring"), cal, cal.alpha_step)
     chunk = n / p
-    step = alpha + chunk / beta
-    return cal.alpha_call + 2 * (p - 1) * step + (p - 1) * chunk / cal.gamma
+    step = _step(_pattern(topo, "ring"), cal, chunk) + cal.alpha_ring_step
+    return cal.alpha_call + 2 * (p - 1) * step + (p - 1) * cal.t_add(chunk)
 
 
 def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
          small: int = SHM_SMALL) -> float:
     """hpcdp's shared-memory allreduce on one node of L ranks. Per segment of ``segment``
     bytes (segments run one after the other):
-    1. copy in: every rank copies its segment into the window (seg / beta_mem);
+    1. copy in: every rank copies its segment into the window;
     2. one flag round (alpha_sync);
-    3. rank j reduces slice j of all L inputs: copies the first ((seg/L) / beta_mem), adds
-       the other L - 1 ((L-1) (seg/L) / gamma);
+    3. rank j reduces slice j of all L inputs: copies the first, adds the other L - 1;
     4. one flag round;
-    5. copy out: every rank copies the whole reduced segment back (seg / beta_mem).
+    5. copy out: every rank copies the whole reduced segment back.
+    Copies and additions are timed at the whole buffer's size (:meth:`Calibration.t_copy`,
+    :meth:`~Calibration.t_add`), where its cache residency is decided.
     Up to ``small`` bytes, the one-round variant is taken when it is faster: copy in, one flag
-    round, every rank reduces the whole buffer itself (n / beta_mem + (L-1) n / gamma)."""
+    round, every rank reduces the whole buffer itself (a copy, L - 1 additions of n)."""
     if ranks == 1 or n == 0:
         return cal.alpha_call
     L = ranks
     segments = math.ceil(n / segment)
-    big = (segments * 2 * cal.alpha_sync
-           + n * (2 / cal.beta_mem + 1 / (L * cal.beta_mem) + (L - 1) / (L * cal.gamma)))
+    big = (segments * 2 * cal.alpha_sync + 2 * cal.t_copy(n) + cal.t_copy(n / L)
+           + (L - 1) * cal.t_add(n / L))
     if n <= small:
-        one_round = cal.alpha_sync + n * (2 / cal.beta_mem + (L - 1) / cal.gamma)
+        one_round = cal.alpha_sync + 2 * cal.t_copy(n) + (L - 1) * cal.t_add(n)
         big = min(big, one_round)
     return cal.alpha_call + big
 
@@ -251,12 +324,12 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGM
     """Shared memory inside the nodes, rings between them (N nodes, Lmin = fewest ranks on a
     node; local ranks >= Lmin only contribute their data), per segment of ``segment`` bytes
     (the node window's capacity, as hpcdp.comm.twolevel does):
-    1. reduce-scatter in every node: copy in (seg / beta_mem), one flag round, local rank
-       j < Lmin reduces slice j of seg/Lmin from the node's L inputs (first one copied);
+    1. reduce-scatter in every node: copy in, one flag round, local rank j < Lmin reduces
+       slice j of n/Lmin from the node's L inputs (first one copied);
     2. local rank j runs a ring across the N nodes on slice j: 2(N-1) steps of
-       seg/(Lmin N) bytes; the Lmin rings share each node's link, so a step costs
-       alpha_step + alpha_inter + Lmin chunk / beta_inter (+ chunk / gamma when reducing);
-    3. allgather in the node: one flag round, every rank copies the result out (seg / beta_mem).
+       n/(Lmin N) bytes; the Lmin rings share each node's link, so a step costs
+       alpha_step + alpha_inter + Lmin chunk / beta_inter (+ an addition of chunk when reducing);
+    3. allgather in the node: one flag round, every rank copies the result out.
     The byte terms add up to those of one segment of n; every further segment pays the flag
     rounds and the ring's 2(N-1) latencies again. One node: :func:`_shm`."""
     N = topo.nodes
@@ -266,11 +339,11 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGM
         return cal.alpha_call
     lmin, lmax = min(topo.ranks_per_node), max(topo.ranks_per_node)
     part = n / lmin
-    scatter = n / cal.beta_mem + part / cal.beta_mem + (lmax - 1) * part / cal.gamma
+    scatter = cal.t_copy(n) + cal.t_copy(part) + (lmax - 1) * cal.t_add(part)
     chunk = n / (lmin * N)
-    ring = 2 * (N - 1) * lmin * chunk / cal.beta_inter + (N - 1) * chunk / cal.gamma
-    gather = n / cal.beta_mem
-    latency = 2 * cal.alpha_sync + 2 * (N - 1) * (cal.alpha_step + cal.alpha_inter)
+    ring = 2 * (N - 1) * lmin * chunk / cal.beta_inter + (N - 1) * cal.t_add(chunk)
+    gather = cal.t_copy(n)
+    latency = 2 * cal.alpha_sync + 2 * (N - 1) * (cal.t_p2p(0) + cal.alpha_ring_step + cal.alpha_inter)
     return cal.alpha_call + scatter + ring + gather + math.ceil(n / segment) * latency
 
 
@@ -283,47 +356,49 @@ def _pof2_split(topo: Topology, cal: Calibration, n: int) -> tuple:
     p2 = 1 << (p.bit_length() - 1)
     if p2 == p:
         return p, 0.0
-    alpha, beta = _link(_pattern(topo, "fold"), cal, NATIVE_ALPHA_INTRA)
-    return p2, 2 * (alpha + n / beta) + n / cal.gamma
+    return p2, 2 * _step(_pattern(topo, "fold"), cal, n, native=True) + cal.t_add(n)
 
 
 def _native_rd(n: int, topo: Topology, cal: Calibration) -> float:
-    """MPI's recursive doubling (MPICH's choice for small buffers), no alpha_call:
-    round k = 0 .. log2(p) - 1: rank r exchanges the whole buffer with r xor 2^k and adds
-    it (alpha + n / beta + n / gamma, alpha = NATIVE_ALPHA_INTRA (+ alpha_inter across
-    nodes)); non-powers of two pay two more rounds (:func:`_pof2_split`)."""
+    """MPI's recursive doubling (MPICH's choice for small buffers): the call (alpha_native),
+    then round k = 0 .. log2(p) - 1: rank r exchanges the whole buffer with r xor 2^k and
+    adds it (a native message, :func:`_step`, and an addition of n); non-powers of two pay
+    two more rounds (:func:`_pof2_split`)."""
     if topo.size == 1:
-        return NATIVE_ALPHA_INTRA
+        return cal.alpha_native
     p2, t = _pof2_split(topo, cal, n)
     for k in range(p2.bit_length() - 1):
-        alpha, beta = _link(_pattern(topo, "xor", k), cal, NATIVE_ALPHA_INTRA)
-        t += alpha + n / beta + n / cal.gamma
-    return t
+        t += _step(_pattern(topo, "xor", k), cal, n, native=True) + cal.t_add(n)
+    return cal.alpha_native + t
 
 
 def _native_rsag(n: int, topo: Topology, cal: Calibration) -> float:
-    """Rabenseifner (MPICH's choice for large buffers), no alpha_call:
+    """Rabenseifner (MPICH's choice for large buffers), after the call (alpha_native):
     1. reduce-scatter by recursive halving: round k = 0 .. log2(p) - 1 exchanges n / 2^(k+1)
        bytes with r xor 2^k and adds them;
     2. allgather by recursive doubling: the same rounds in reverse order, no addition.
     2 log2(p) rounds, 2(p-1)/p n bytes sent per rank; non-powers of two as in _native_rd."""
     if topo.size == 1:
-        return NATIVE_ALPHA_INTRA
+        return cal.alpha_native
     p2, t = _pof2_split(topo, cal, n)
     for k in range(p2.bit_length() - 1):
-        alpha, beta = _link(_pattern(topo, "xor", k), cal, NATIVE_ALPHA_INTRA)
         part = n / (2 << k)
-        t += 2 * (alpha + part / beta) + part / cal.gamma
-    return t
+        t += 2 * _step(_pattern(topo, "xor", k), cal, part, native=True) + cal.t_add(part)
+    return cal.alpha_native + t
 
 
 def predict(algo: str, nbytes: int, topo: Topology, cal: Calibration = DEFAULTS, *,
-            segment: int = SHM_SEGMENT, small: int = SHM_SMALL) -> float:
+            segment: int = SHM_SEGMENT, small: int = SHM_SMALL, check: bool = False) -> float:
     """Predicted seconds of one allreduce of ``nbytes`` with ``algo`` (one of :data:`ALGOS`;
     hpcdp's own include alpha_call). ``segment``: the node window's segment (shm and
-    two_level); ``small``: the size up to which shm's one-round variant may be taken."""
+    two_level); ``small``: the size up to which shm's one-round variant may be taken;
+    ``check``: hpcdp's call makes its argument check (the default of ``hpcdp.allreduce``;
+    DDP's buckets skip it), which adds alpha_check to the ring and two_level (shm carries the
+    check in its own flag round)."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, not {nbytes}")
+    if check and algo in ("ring", "two_level") and topo.size > 1:
+        return cal.alpha_check + predict(algo, nbytes, topo, cal, segment=segment, small=small)
     if algo == "ring":
         return _ring(nbytes, topo, cal)
     if algo == "shm":

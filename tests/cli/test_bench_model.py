@@ -11,7 +11,7 @@ from hpcdp.comm import costmodel
 from launch import ROOT, mpi_env
 
 MODEL_FIELDS = {"bench", "algo", "nodes", "ranks_per_node", "bytes", "time_s", "busbw", "calibration"}
-CONSTANTS = [f for f in costmodel.DEFAULTS.to_dict() if f != "source"]
+CONSTANTS = [f for f in costmodel.DEFAULTS.to_dict() if f not in ("source",) + costmodel.PROFILES]
 
 
 def _records(text):
@@ -105,14 +105,21 @@ def test_calibrate_measures_positive_constants_alike_on_every_rank(world, tmp_pa
         return
     (rec,) = _records(text)
     assert rec["bench"] == "calibrate" and rec["np"] == world.Get_size() and rec["out"] == out
-    assert all(rec[f] > 0 for f in CONSTANTS if f not in ("alpha_call", "alpha_inter"))
-    assert rec["alpha_call"] >= 0 and rec["alpha_inter"] >= 0
-    assert sorted(rec["measured"] + rec["defaults"]) == sorted(CONSTANTS)
-    assert {"beta_mem", "gamma", "alpha_sync", "alpha_call"} <= set(rec["measured"])
+    may_be_zero = ("alpha_inter", "alpha_check", "alpha_ring_step")
+    assert all(rec[f] > 0 for f in CONSTANTS if f not in may_be_zero)
+    assert all(rec[f] >= 0 for f in may_be_zero)
+    assert sorted(rec["measured"] + rec["defaults"]) == sorted(CONSTANTS + list(costmodel.PROFILES))
+    assert {"beta_mem", "gamma", "alpha_sync", "alpha_call", "alpha_native", "copy", "add"} <= set(
+        rec["measured"])
+    if rec["np"] > 1 and rec["nodes"] == 1:
+        assert {"p2p", "alpha_check", "alpha_ring_step"} <= set(rec["measured"])
+    for f in set(costmodel.PROFILES) & set(rec["measured"]):
+        assert [n for n, _ in rec[f]] == list(costmodel.PROFILE_SIZES) and all(t > 0 for _, t in rec[f])
     if rec["nodes"] == 1:
         assert {"alpha_inter", "beta_inter"} <= set(rec["defaults"])
     saved = costmodel.load(out)
     assert all(getattr(saved, f) == rec[f] for f in CONSTANTS) and out in saved.source
+    assert all(getattr(saved, f) == tuple(map(tuple, rec[f])) for f in costmodel.PROFILES)
 
 
 @pytest.mark.mpi

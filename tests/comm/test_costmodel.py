@@ -43,7 +43,7 @@ def test_ring_formula_on_one_node():
     """2(p-1) steps of n/p at beta_intra, the scatter-reduce half also reduces."""
     cal, p, n = DEFAULTS, 4, 8 * MIB
     chunk = n / p
-    expect = (cal.alpha_call + 2 * (p - 1) * (cal.alpha_step + chunk / cal.beta_intra)
+    expect = (cal.alpha_call + 2 * (p - 1) * (cal.alpha_step + cal.alpha_ring_step + chunk / cal.beta_intra)
               + (p - 1) * chunk / cal.gamma)
     assert predict("ring", n, Topology.uniform(1, p), cal) == pytest.approx(expect)
 
@@ -82,7 +82,7 @@ def test_two_level_beats_the_flat_ring_across_slow_links():
     assert two < ring
     # with everything but the link free, each is its link bytes over the link bandwidth
     fast = dataclasses.replace(DEFAULTS, alpha_step=0, alpha_inter=0, alpha_sync=0, alpha_call=0,
-                               beta_intra=1e30, beta_mem=1e30, gamma=1e30)
+                               alpha_ring_step=0, beta_intra=1e30, beta_mem=1e30, gamma=1e30)
     for algo in ("ring", "two_level"):
         assert predict(algo, n, topo, fast) == pytest.approx(
             costmodel.link_bytes(algo, n, topo) / fast.beta_inter)
@@ -96,11 +96,12 @@ def test_two_level_formula_and_its_segments():
     chunk = n / (L * N)
     expect = (cal.alpha_call
               + n / cal.beta_mem + cal.alpha_sync + n / L / cal.beta_mem + (L - 1) * n / L / cal.gamma
-              + 2 * (N - 1) * (cal.alpha_step + cal.alpha_inter + L * chunk / cal.beta_inter)
+              + 2 * (N - 1) * (cal.alpha_step + cal.alpha_ring_step + cal.alpha_inter
+                               + L * chunk / cal.beta_inter)
               + (N - 1) * chunk / cal.gamma
               + cal.alpha_sync + n / cal.beta_mem)
     assert predict("two_level", n, topo, cal, segment=n) == pytest.approx(expect)
-    per_segment = 2 * cal.alpha_sync + 2 * (N - 1) * (cal.alpha_step + cal.alpha_inter)
+    per_segment = 2 * cal.alpha_sync + 2 * (N - 1) * (cal.alpha_step + cal.alpha_ring_step + cal.alpha_inter)
     assert predict("two_level", n, topo, cal) == pytest.approx(expect + per_segment)  # 2 x 4 MiB
 
 
@@ -245,3 +246,60 @@ def test_importing_the_model_loads_neither_torch_nor_mpi_nor_numba():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+PROFILED = dataclasses.replace(
+    DEFAULTS, alpha_check=4e-6, alpha_native=0.5e-6, alpha_ring_step=1e-6,
+    p2p=((8, 3e-6), (4096, 5e-6), (MIB, 100e-6)), copy=((8, 1e-6), (MIB, 50e-6)),
+    add=((8, 1e-6), (MIB, 60e-6)))
+
+
+def test_profiles_are_read_piecewise_linear_and_at_the_last_rate_beyond():
+    cal = PROFILED
+    assert cal.t_p2p(0) == cal.t_p2p(8) == 3e-6                  # below the first size: its time
+    assert cal.t_p2p(2052) == pytest.approx(4e-6)                 # half way from 8 B to 4 KiB
+    assert cal.t_p2p(4 * MIB) == pytest.approx(400e-6)            # the last point's rate
+    assert cal.t_copy(MIB) == 50e-6 and cal.t_add(2 * MIB) == pytest.approx(120e-6)
+    # without profiles: the constants
+    assert DEFAULTS.t_p2p(MIB) == pytest.approx(DEFAULTS.alpha_step + MIB / DEFAULTS.beta_intra)
+    assert DEFAULTS.t_copy(MIB) == MIB / DEFAULTS.beta_mem and DEFAULTS.t_add(MIB) == MIB / DEFAULTS.gamma
+
+
+def test_profiles_replace_the_constants_in_the_formulas():
+    cal, p, n = PROFILED, 4, 2 * MIB
+    chunk = n / p
+    assert predict("ring", n, Topology.uniform(1, p), cal) == pytest.approx(
+        cal.alpha_call + 2 * (p - 1) * (cal.t_p2p(chunk) + cal.alpha_ring_step) + (p - 1) * cal.t_add(chunk))
+    assert predict("shm", n, Topology.uniform(1, p), cal) == pytest.approx(
+        cal.alpha_call + 2 * cal.alpha_sync + 2 * cal.t_copy(n) + cal.t_copy(n / p)
+        + (p - 1) * cal.t_add(n / p))
+    # native messages: the profile's bandwidth part, MPI's own latency, after the call
+    assert predict("native_rd", 4096, Topology.uniform(1, 2), cal) == pytest.approx(
+        cal.alpha_native + costmodel.NATIVE_ALPHA_INTRA + cal.t_p2p(4096) - cal.t_p2p(0)
+        + cal.t_add(4096))
+    assert predict("native", MIB, Topology.uniform(1, 1), cal) == cal.alpha_native
+
+
+def test_the_argument_check_costs_ring_calls_of_several_ranks_only():
+    two, one = Topology.uniform(1, 2), Topology.uniform(1, 1)
+    assert predict("ring", 4096, two, PROFILED, check=True) == pytest.approx(
+        predict("ring", 4096, two, PROFILED) + PROFILED.alpha_check)
+    assert predict("shm", 4096, two, PROFILED, check=True) == predict("shm", 4096, two, PROFILED)
+    for algo in ("ring", "shm"):
+        assert predict(algo, 4096, one, PROFILED, check=True) == PROFILED.alpha_call
+    assert predict("native", 4096, two, PROFILED, check=True) == predict("native", 4096, two, PROFILED)
+
+
+def test_profiles_round_trip_and_old_files_still_load(tmp_path):
+    path = costmodel.save(PROFILED, tmp_path / "cal.json")
+    assert dataclasses.replace(costmodel.load(path), source=PROFILED.source) == PROFILED
+    old = {k: v for k, v in DEFAULTS.to_dict().items() if k not in costmodel._OPTIONAL}
+    assert Calibration.from_dict(old) == DEFAULTS
+
+
+@pytest.mark.parametrize("value", [[[8, 1e-6], [8, 2e-6]], [[8, -1.0]], [[8]], "fast", [[True, 1.0]]])
+def test_a_malformed_profile_names_the_field(value):
+    d = DEFAULTS.to_dict()
+    d["p2p"] = value
+    with pytest.raises(ValueError, match="field 'p2p' must be a list of \\[bytes, seconds\\] pairs"):
+        Calibration.from_dict(d)

@@ -6,9 +6,10 @@
 #   tools/bench/allreduce.sh [VENV ...]     (default: .venv, plus .venv-ompi if present)
 #   OUT=dir ROUNDS=5 TRIALS=5 NPS="2 4" SIZES=4k,...,256m EXTRA="--algos ring"
 #
-# The cost model's one-node measurements (tools/bench/validate_model.py):
+# The cost model's one-node measurements (tools/bench/validate_model.py), each round after
+# its own calibration ($OUT/calibration-round<R>.json, hpcdp-bench calibrate at np = 2):
 #   OUT=out/model NPS="1 2 3 4 5 6 7 8" SIZES=4k,64k,1m,16m EXTRA="--algos ring,shm" \
-#       tools/bench/allreduce.sh .venv
+#       CALIBRATE=1 tools/bench/allreduce.sh .venv
 #
 # torch.distributed over the "hpcdp" backend against gloo (docs/torch-distributed.md):
 #   OUT=out/backend NPS=2 SIZES=1m,16m,64m,256m EXTRA=--backend-compare tools/bench/allreduce.sh
@@ -38,6 +39,11 @@ for v in "${venvs[@]}"; do
   for np in $NPS; do : >"$OUT/allreduce-$(mpi_of "$v")-np$np.jsonl"; done
 done
 for ((round = 1; round <= ROUNDS; round++)); do
+  if [ -n "${CALIBRATE:-}" ]; then
+    echo "round $round/$ROUNDS: calibrate" >&2
+    "${venvs[0]}/bin/mpirun" -np 2 "${venvs[0]}/bin/python" -m hpcdp.cli.bench calibrate \
+      --out "$OUT/calibration-round$round.json" >/dev/null
+  fi
   for v in "${venvs[@]}"; do
     mpi=$(mpi_of "$v")
     for np in $NPS; do

@@ -17,11 +17,16 @@ MEASURED files hold JSON lines of two kinds, each with a ``round`` field:
 The prediction uses ``--calibration`` (``hpcdp-bench calibrate`` on one node) for the
 node's constants and, for cluster points, ``alpha_inter`` from ``--cluster-calibration``
 (``hpcdp-bench calibrate`` across two nodes) and the link's shaped rate as ``beta_inter``.
+``--calibration`` may name one file per round with ``{round}`` in its path (what
+``CALIBRATE=1 tools/bench/allreduce.sh`` writes): a round's measurements are then predicted
+with the calibration taken just before them, in the same state of the machine (lines
+without a round, the cluster's, take round 1's).
 
-One JSON line per (configuration, algorithm, size): ``measured_s`` (median over rounds),
-``predicted_s``, ``error`` (predicted / measured - 1), ``bound`` (the ranks summed over
-all nodes do not exceed ``--cores``, this machine's by default: only those points are held
-to ``|error| <= 0.25``) and ``within`` (null where unbound).
+One JSON line per (configuration, algorithm, size): ``measured_s`` and ``predicted_s``
+(medians over rounds), ``error`` (the median over rounds of the round's prediction / its
+measurement - 1), ``bound`` (the ranks summed over all nodes do not exceed ``--cores``, this
+machine's by default: only those points are held to ``|error| <= 0.25``) and ``within``
+(null where unbound).
 """
 from __future__ import annotations
 
@@ -49,43 +54,52 @@ def rate_bytes(rate: str) -> float:
 
 
 def points(records: list[dict]) -> dict:
-    """``{(nodes, ranks_per_node, placement, rate, algo, bytes): [seconds per round]}``."""
+    """``{(nodes, ranks_per_node, placement, rate, algo, bytes, check): [(round, seconds)]}``
+    (``check``: hpcdp's calls made their argument check; the cluster's lines skip it;
+    round None where a line has none)."""
     out: dict[tuple, list] = {}
     for r in records:
+        rnd = r.get("round")
         if r.get("bench") == "allreduce":  # one node, several algorithms per line
             for key, value in r.items():
                 if key.endswith("_time_s") and key not in ("hpcdp_time_s", "hpcdp_async_time_s"):
                     algo = key[:-len("_time_s")]
-                    out.setdefault((1, r["np"], "block", None, algo, r["bytes"]), []).append(value)
+                    out.setdefault((1, r["np"], "block", None, algo, r["bytes"], r.get("check", True)),
+                                   []).append((rnd, value))
         elif "algo" in r and "time_s" in r and "error" not in r:  # the cluster's lines
             cfg = (r["nodes"], r["ranks_per_node"], r["placement"], r["rate"])
-            out.setdefault(cfg + (r["algo"], r["bytes"]), []).append(r["time_s"])
-            out.setdefault(cfg + ("native", r["bytes"]), []).append(r["native_time_s"])
+            out.setdefault(cfg + (r["algo"], r["bytes"], False), []).append((rnd, r["time_s"]))
+            out.setdefault(cfg + ("native", r["bytes"], False), []).append((rnd, r["native_time_s"]))
     return out
 
 
 def predict(key: tuple, cal, cluster_cal) -> float:
-    nodes, rpn, placement, rate, algo, nbytes = key
+    nodes, rpn, placement, rate, algo, nbytes, check = key
     topo = costmodel.Topology.uniform(nodes, rpn, placement)
     if nodes > 1:
         cal = dataclasses.replace(cal, alpha_inter=cluster_cal.alpha_inter,
                                   beta_inter=rate_bytes(rate) if rate else cluster_cal.beta_inter)
     if algo == "auto":
         algo = costmodel.choose(nbytes, topo, cal)
-    return costmodel.predict(algo, nbytes, topo, cal)
+    return costmodel.predict(algo, nbytes, topo, cal, check=check)
 
 
 def validate(records: list[dict], cal, cluster_cal, cores: int) -> list[dict]:
+    """``cal``: one calibration, or ``{round: calibration}`` (lines without a round take the
+    first round's)."""
+    per_round = cal if isinstance(cal, dict) else {}
     out = []
-    for key, times in sorted(points(records).items(), key=lambda kv: tuple(map(str, kv[0]))):
-        nodes, rpn, placement, rate, algo, nbytes = key
-        measured = statistics.median(times)
-        predicted = predict(key, cal, cluster_cal)
-        error = predicted / measured - 1
+    for key, samples in sorted(points(records).items(), key=lambda kv: tuple(map(str, kv[0]))):
+        nodes, rpn, placement, rate, algo, nbytes, _ = key
+        pairs = [(predict(key, per_round.get(rnd, per_round[min(per_round)]) if per_round else cal,
+                          cluster_cal), t) for rnd, t in samples]
+        measured = statistics.median(t for _, t in pairs)
+        predicted = statistics.median(p for p, _ in pairs)
+        error = statistics.median(p / t - 1 for p, t in pairs)
         bound = nodes * rpn <= cores
         out.append({"bench": "model-validation", "nodes": nodes, "ranks_per_node": rpn,
                     "placement": placement, "rate": rate, "algo": algo, "bytes": nbytes,
-                    "rounds": len(times), "measured_s": measured, "predicted_s": predicted,
+                    "rounds": len(pairs), "measured_s": measured, "predicted_s": predicted,
                     "error": error, "bound": bound,
                     "within": abs(error) <= BOUND if bound else None})
     return out
@@ -94,19 +108,26 @@ def validate(records: list[dict], cal, cluster_cal, cores: int) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("measured", nargs="+", help="JSON lines files (see the module docstring)")
-    ap.add_argument("--calibration", required=True, help="hpcdp-bench calibrate on one node")
+    ap.add_argument("--calibration", required=True,
+                    help="hpcdp-bench calibrate on one node; with {round} in it, one file per round")
     ap.add_argument("--cluster-calibration", help="hpcdp-bench calibrate across two nodes "
                                                  "(alpha_inter; default: the model's default)")
     ap.add_argument("--cores", type=int, default=os.cpu_count(),
                     help="cores of the machine measured on (default: this one's)")
     args = ap.parse_args(argv)
-    for path in (args.calibration, args.cluster_calibration):
+    records = [json.loads(line) for p in args.measured for line in open(p) if line.strip()]
+    if "{round}" in args.calibration:
+        rounds = sorted({r["round"] for r in records if r.get("round") is not None})
+        paths = {rnd: args.calibration.format(round=rnd) for rnd in rounds}
+    else:
+        paths = {None: args.calibration}
+    for path in list(paths.values()) + [args.cluster_calibration]:
         if path is not None and not Path(path).is_file():
             ap.error(f"no calibration file {path} (write it with hpcdp-bench calibrate --out)")
-    cal = costmodel.load(args.calibration)
+    cal = {rnd: costmodel.load(path) for rnd, path in paths.items()}
+    cal = cal[None] if None in cal else cal
     cluster_cal = costmodel.load(args.cluster_calibration) if args.cluster_calibration \
         else costmodel.DEFAULTS
-    records = [json.loads(line) for p in args.measured for line in open(p) if line.strip()]
     for rec in validate(records, cal, cluster_cal, args.cores):
         print(json.dumps(rec))
     return 0

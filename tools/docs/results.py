@@ -159,7 +159,8 @@ SPECS = {
     },
     "model-validation": {
         "file": "model-validation.jsonl",
-        "command": ".venv/bin/python tools/bench/validate_model.py --calibration docs/results/calibration.json "
+        "command": ".venv/bin/python tools/bench/validate_model.py "
+                   "--calibration 'docs/results/calibration-round{round}.json' "
                    "--cluster-calibration docs/results/calibration-cluster.json --cores 2 "
                    "docs/results/model-one-node.jsonl docs/results/cluster-allreduce-raw.jsonl "
                    "> docs/results/model-validation.jsonl",
