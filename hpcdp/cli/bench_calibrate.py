@@ -8,13 +8,12 @@ then the slowest rank's value (a collective goes at the pace of its slowest rank
 rank holds the same numbers; rank 0 prints one JSON line and writes the file (default
 ``costmodel.default_path()``, or ``--out``; ``--print-only`` writes nothing). What is measured:
 
-* alpha_step: a Python-driven ``Sendrecv`` of 8 bytes with the ring neighbours inside the node;
-* beta_intra: a 4 MiB ``Sendrecv`` between the same neighbours (4 MiB / (time - alpha_step));
-* beta_mem: ``np.copyto`` of 4 MiB; gamma: ``np.add(a, b, out=a)`` over 4 MiB of float32
-  (every rank at once, as in an allreduce);
-* the profiles ``p2p``, ``copy`` and ``add``: the same three operations at each size of
-  ``costmodel.PROFILE_SIZES`` (8 B to 16 MiB), which the model reads instead of the
-  constants (``p2p`` only where a node has two ranks);
+* the profiles, at each size of ``costmodel.PROFILE_SIZES`` (8 B to 16 MiB), which the
+  model reads instead of the constants: ``p2p``, a Python-driven ``Sendrecv`` with the ring
+  neighbours inside the node (only where every node has two ranks); ``copy``, ``np.copyto``;
+  ``add``, ``np.add(a, b, out=a)`` over float32 (every rank at once, as in an allreduce);
+* from them: alpha_step (the 8-byte ``Sendrecv``), beta_intra (4 MiB / (time(4 MiB) -
+  alpha_step)), beta_mem and gamma (the 4 MiB copy and addition);
 * alpha_sync: a flag round of the node's shared window (:mod:`hpcdp.comm.nodewin`), which
   the shared-memory algorithms wait on;
 * alpha_call: ``hpcdp.allreduce`` (``check=False``) of an empty array: everything a call
@@ -24,8 +23,8 @@ rank holds the same numbers; rank 0 prints one JSON line and writes the file (de
   world ring (so across nodes where the job spans them): the ring's own work per step; the
   three timed in turn in every repetition, medians of the differences;
 * alpha_check: the ring's call with its argument check (``check=True``, the default) minus
-  without, timed in pairs (0 at np = 1, which checks nothing; every ring call here is
-  ``algo="ring"``);
+  without, timed in the same repetitions (0 at np = 1, which checks nothing; every ring call
+  here is ``algo="ring"``);
 * alpha_native: ``MPI_Allreduce`` of 8 bytes on ``MPI_COMM_SELF`` (a native call's own cost);
 * alpha_inter, beta_inter: local rank 0 of the first two nodes exchange 8 bytes and 16 MiB
   (alpha_inter = time(8 B) - alpha_step, beta_inter = 16 MiB / (time(16 MiB) - time(8 B))),
@@ -84,24 +83,17 @@ def _ring_exchange(comm, MPI, nbytes: int):
 
 
 def _node_p2p(world, local, MPI, reps: int, out: dict, notes: dict) -> None:
-    """alpha_step and beta_intra in every node at once (the slowest node's values)."""
-    has_peer = world.allreduce(local.Get_size() > 1, op=MPI.LAND)
-    if not has_peer:
+    """The ``p2p`` profile (a ring ``Sendrecv`` inside every node per profiled size, the
+    slowest node's times), and from it alpha_step (8 bytes) and beta_intra (4 MiB)."""
+    if not world.allreduce(local.Get_size() > 1, op=MPI.LAND):
         notes["alpha_step"] = notes["beta_intra"] = "a node with one rank: no neighbour inside it"
         return
-    tiny = world.allreduce(_median(local, _ring_exchange(local, MPI, TINY), reps, 20), op=MPI.MAX)
-    big = world.allreduce(_median(local, _ring_exchange(local, MPI, P2P), reps, 2), op=MPI.MAX)
+    times = {n: world.allreduce(_median(local, _ring_exchange(local, MPI, n), reps, _inner(n)),
+                                op=MPI.MAX) for n in costmodel.PROFILE_SIZES}
+    tiny, big = times[TINY], times[P2P]
+    out["p2p"] = [[n, t] for n, t in times.items()]
     out["alpha_step"] = tiny
     out["beta_intra"] = P2P / (big - tiny if big > 2 * tiny else big)
-
-
-def _p2p_profile(world, local, MPI, reps: int, out: dict) -> None:
-    """The ``p2p`` profile: a ring ``Sendrecv`` inside every node per profiled size."""
-    if not world.allreduce(local.Get_size() > 1, op=MPI.LAND):
-        return
-    out["p2p"] = [[n, world.allreduce(_median(local, _ring_exchange(local, MPI, n), reps,
-                                              _inner(n)), op=MPI.MAX)]
-                  for n in costmodel.PROFILE_SIZES]
 
 
 def _inner(nbytes: int) -> int:
@@ -110,21 +102,20 @@ def _inner(nbytes: int) -> int:
 
 
 def _memory(world, MPI, reps: int, out: dict) -> None:
-    """beta_mem (np.copyto) and gamma (np.add over float32) of a segment, and their profiles,
-    every rank at once."""
-    def copy_add(nbytes):
+    """The ``copy`` (``np.copyto``) and ``add`` (``np.add`` over float32) profiles, every
+    rank at once, and from them beta_mem and gamma over a segment."""
+    copies, adds = [], []
+    for nbytes in costmodel.PROFILE_SIZES:
         n = max(1, nbytes // 4)
         a, b = np.zeros(n, np.float32), np.full(n, 1e-3, np.float32)
         dst = np.zeros(n, np.float32)
         copy = _median(world, lambda: np.copyto(dst, b), reps, _inner(nbytes))
         add = _median(world, lambda: np.add(a, b, out=a), reps, _inner(nbytes))
-        return world.allreduce(copy, op=MPI.MAX), world.allreduce(add, op=MPI.MAX)
-
-    copy, add = copy_add(SEGMENT)
-    out["beta_mem"], out["gamma"] = SEGMENT / copy, SEGMENT / add
-    profile = [(n, copy_add(n)) for n in costmodel.PROFILE_SIZES]
-    out["copy"] = [[n, c] for n, (c, _) in profile]
-    out["add"] = [[n, a] for n, (_, a) in profile]
+        copies.append([nbytes, world.allreduce(copy, op=MPI.MAX)])
+        adds.append([nbytes, world.allreduce(add, op=MPI.MAX)])
+    out["copy"], out["add"] = copies, adds
+    out["beta_mem"] = SEGMENT / dict(copies)[SEGMENT]
+    out["gamma"] = SEGMENT / dict(adds)[SEGMENT]
 
 
 def _inter(world, MPI, hostnames, reps: int, out: dict, notes: dict) -> None:
@@ -156,18 +147,18 @@ def _call(world, MPI, reps: int, out: dict, notes: dict) -> None:
     x, empty = np.zeros(p, np.float32), np.zeros(0, np.float32)
     step_fn = _ring_exchange(world, MPI, TINY)
     step_fn()
-    calls, steps = [], []
+    calls, steps, checks = [], [], []
     for _ in range(reps + 1):
         calls.append(_median(world, lambda: hpcdp.allreduce(empty, check=False), 1, 20))
         if p > 1:
             full = _median(world, lambda: hpcdp.allreduce(x, check=False, algo="ring"), 1, 20)
             steps.append((full - calls[-1]) / (2 * (p - 1)) - _median(world, step_fn, 1, 20))
+            checks.append(_median(world, lambda: hpcdp.allreduce(x, check=True, algo="ring"), 1, 20)
+                          - full)
     out["alpha_call"] = world.allreduce(statistics.median(calls[1:]), op=MPI.MAX)
     notes["alpha_call"] = f"an empty call {out['alpha_call'] * 1e6:.1f} us"
     if p > 1:
         out["alpha_ring_step"] = max(0.0, world.allreduce(statistics.median(steps[1:]), op=MPI.MAX))
-        checks = [_median(world, lambda: hpcdp.allreduce(x, check=True, algo="ring"), 1, 20) - _median(
-            world, lambda: hpcdp.allreduce(x, check=False, algo="ring"), 1, 20) for _ in range(reps + 1)]
         out["alpha_check"] = max(0.0, world.allreduce(statistics.median(checks[1:]), op=MPI.MAX))
     one = np.zeros(2, np.float32)
     out["alpha_native"] = world.allreduce(_median(
@@ -200,7 +191,6 @@ def measure(rt, reps: int = 11) -> tuple:
     out, notes = {}, {}
     try:
         _node_p2p(world, local, MPI, reps, out, notes)
-        _p2p_profile(world, local, MPI, reps, out)
         _memory(world, MPI, reps, out)
         out["alpha_sync"] = world.allreduce(_flag_round(local, MPI, reps), op=MPI.MAX)
         _inter(world, MPI, rt.hostnames, reps, out, notes)

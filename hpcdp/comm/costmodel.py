@@ -32,7 +32,7 @@ ENV_VAR = "HPCDP_CALIBRATION"
 # one message of MPI's own C implementation inside a node (MPICH shared memory, a few us)
 NATIVE_ALPHA_INTRA = 2e-6
 #: the sizes hpcdp-bench calibrate profiles (bytes): tiny, in cache, and out of it
-PROFILE_SIZES = (8, 4 << 10, 64 << 10, 1 << 20, 16 << 20)
+PROFILE_SIZES = (8, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 PROFILES = ("p2p", "copy", "add")
 SHM_SEGMENT = 4 << 20
 SHM_SMALL = 64 << 10
@@ -104,8 +104,7 @@ class Calibration:
                     continue
                 raise ValueError(f"missing field {name!r}")
             v = d[name]
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            if not ok or v < 0 or (v == 0 and name not in _MAY_BE_ZERO):
+            if not _finite(v) or v < 0 or (v == 0 and name not in _MAY_BE_ZERO):
                 raise ValueError(f"field {name!r} must be a finite number > 0"
                                  f"{' (or 0)' if name in _MAY_BE_ZERO else ''}, not {v!r}")
             values[name] = float(v)
@@ -128,6 +127,11 @@ DEFAULTS = Calibration(alpha_step=2.5e-6, alpha_inter=50e-6, alpha_sync=0.8e-6, 
                        alpha_check=3e-6, alpha_ring_step=2e-6, alpha_native=0.5e-6)
 
 
+def _finite(v) -> bool:
+    """A finite int or float (not a bool): what every calibration number must be."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def _profile(name: str, points) -> tuple:
     """A profile field as ``((bytes, seconds), ...)``: pairs of positive numbers, sizes increasing."""
     bad = ValueError(f"field {name!r} must be a list of [bytes, seconds] pairs of positive "
@@ -137,8 +141,7 @@ def _profile(name: str, points) -> tuple:
     out = []
     for pair in points:
         ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-            for v in pair)
+            _finite(v) and v > 0 for v in pair)
         if not ok or (out and pair[0] <= out[-1][0]):
             raise bad
         out.append((int(pair[0]), float(pair[1])))
