@@ -75,6 +75,14 @@ class HostOps(ArrayOps):
     def add(self, dst, src):
         self._add(dst, src)
 
+    def sum_into(self, out, a, b):
+        """``out = a + b`` (the bits of ``out = a; out += b``)."""
+        if self.dtype.name == "bfloat16":
+            out[:] = a
+            self._add(out, b)
+        else:
+            np.add(a, b, out=out)
+
     def scale(self, dst, divisor):
         host_scale(self.dtype, dst, divisor)
 

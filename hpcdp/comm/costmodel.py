@@ -301,20 +301,21 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
          small: int = SHM_SMALL) -> float:
     """hpcdp's shared-memory allreduce on one node of L ranks. Per segment of ``segment``
     bytes (segments run one after the other):
-    1. copy in: every rank copies its segment into the window;
+    1. copy in: every rank copies its segment but its own slice (n (L-1)/L) into the window;
     2. one flag round (alpha_sync);
-    3. rank j reduces slice j of all L inputs: copies the first, adds the other L - 1;
+    3. rank j reduces slice j: its own input plus the other L - 1 (L - 1 additions of n/L),
+       written to the window and to its buffer (a copy of n/L);
     4. one flag round;
-    5. copy out: every rank copies the whole reduced segment back.
-    Copies and additions are timed at the whole buffer's size (:meth:`Calibration.t_copy`,
-    :meth:`~Calibration.t_add`), where its cache residency is decided.
+    5. copy out: every rank copies the other slices back (n (L-1)/L).
+    Copies are timed at the whole buffer's size (:meth:`Calibration.t_copy`), where its
+    cache residency is decided, and scaled; additions at the slice's.
     Up to ``small`` bytes, the one-round variant is taken when it is faster: copy in, one flag
     round, every rank reduces the whole buffer itself (a copy, L - 1 additions of n)."""
     if ranks == 1 or n == 0:
         return cal.alpha_call
     L = ranks
     segments = math.ceil(n / segment)
-    big = (segments * 2 * cal.alpha_sync + 2 * cal.t_copy(n) + cal.t_copy(n / L)
+    big = (segments * 2 * cal.alpha_sync + 2 * (L - 1) / L * cal.t_copy(n) + cal.t_copy(n / L)
            + (L - 1) * cal.t_add(n / L))
     if n <= small:
         one_round = cal.alpha_sync + 2 * cal.t_copy(n) + (L - 1) * cal.t_add(n)

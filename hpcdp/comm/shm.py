@@ -14,14 +14,15 @@ For ranks that all share one node, over N ranks, with the node's
 
 **Larger buffers**, in segments of at most ``capacity`` bytes, two rounds a segment:
 
-1. copy in, as above;
+1. copy in, as above, but slice j on rank j (the ring's chunk j, which only rank j
+   reduces): it stays in rank j's buffer;
 2. flag round;
-3. rank j reduces slice j (the ring's chunk j) in place, over its own input's slice j,
-   which no other rank reads: its own input plus rank j+1's, j+2's, ... (cyclically), the
+3. rank j reduces slice j: its own input plus rank j+1's, j+2's, ... (cyclically), the
    order in which the ring accumulates chunk j, so these bits are the ring's bits (owner
-   computes); divided by N for an average;
+   computes); divided by N for an average; written to its window part and to its buffer
+   (float32/float64: one pass, block by block, :mod:`hpcdp.comm.shm_kernels`);
 4. flag round;
-5. every rank copies slice j out of rank j's part, for every j.
+5. every rank copies slice j out of rank j's part, for every j but its own.
 
 So a buffer of one segment above ``small`` bytes gets the ring's bits from ``algo="shm"``
 too (a longer one gets, per segment, the ring's bits for that segment); the one-round
@@ -41,9 +42,10 @@ from __future__ import annotations
 
 from .nodewin import node_round
 from .schedule import chunk_bounds
+from .shm_kernels import FUSED_DTYPES, reduce_slice
 from .waiting import complete, drive
 
-__all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "copy_out", "reduce_in_ring_order",
+__all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "copy_out", "reduce_in_ring_order", "reduce_own_slice",
            "segment_elements", "SHM_CAPACITY", "SHM_SMALL", "HALF_DTYPES"]
 
 #: bytes of a segment (each rank's window part holds two)
@@ -100,14 +102,17 @@ def segment_elements(window, buf) -> int:
     return max(1, window.capacity // buf.data.dtype.itemsize)
 
 
-def copy_in(window, buf, lo: int, hi: int, average: bool, divisor: int):
-    """Copy ``buf[lo:hi]`` into this rank's current half (fp16/bf16 averages: / ``divisor``);
-    return every rank's half."""
+def copy_in(window, buf, lo: int, hi: int, average: bool, divisor: int, skip=None):
+    """Copy ``buf[lo:hi]`` (but ``buf[skip[0]:skip[1]]``) into this rank's current half
+    (fp16/bf16 averages: / ``divisor``); return every rank's half."""
     parts = window.views(buf.data.dtype, hi - lo)
     mine = parts[window.rank]
-    mine[:] = buf.data[lo:hi]
-    if average and buf.dtype.name in HALF_DTYPES:
-        buf.ops.scale(mine, divisor)
+    pieces = [(lo, hi)] if skip is None else [(lo, skip[0]), (skip[1], hi)]
+    for p, q in pieces:
+        if q > p:
+            mine[p - lo:q - lo] = buf.data[p:q]
+            if average and buf.dtype.name in HALF_DTYPES:
+                buf.ops.scale(mine[p - lo:q - lo], divisor)
     return parts
 
 
@@ -134,27 +139,50 @@ def _one_round(ctx, window, buf, average: bool, sig):
 
 
 def _segment(ctx, window, buf, lo: int, hi: int, average: bool, sig, step: int):
-    size, half = window.size, buf.dtype.name in HALF_DTYPES
+    size, rank, half = window.size, window.rank, buf.dtype.name in HALF_DTYPES
+    bounds = chunk_bounds(hi - lo, size)  # slice j: the ring's chunk j
+    a, b = lo + bounds[rank], lo + bounds[rank + 1]  # this rank's slice stays in buf
     ctx.at("shared-memory allreduce: copy in")
-    parts = copy_in(window, buf, lo, hi, average, size)
+    parts = copy_in(window, buf, lo, hi, average, size, skip=(a, b))
+    if average and half:
+        buf.ops.scale(buf.data[a:b], size)
     yield from node_round(ctx, window, sig)
     ctx.step_done(step, 0, 0)
     ctx.at("shared-memory allreduce: reduce own slice")
-    bounds = chunk_bounds(hi - lo, size)  # slice j: the ring's chunk j
-    reduce_in_ring_order(buf.ops, parts, window.rank, bounds, average and not half, size)
+    reduce_own_slice(buf.ops, buf.data[a:b], parts, rank, bounds, average and not half, size)
     yield from node_round(ctx, window)
     ctx.step_done(step + 1, 0, 0)
     ctx.at("shared-memory allreduce: copy out")
-    copy_out(buf, lo, parts, bounds)
+    copy_out(buf, lo, parts, bounds, skip=rank)
     window.half ^= 1
     ctx.step_done(step + 2, 0, 0)
 
 
-def copy_out(buf, lo: int, parts, bounds) -> None:
-    """The segment from ``lo``: slice j (``bounds[j]:bounds[j+1]``) out of ``parts[j]``."""
+def copy_out(buf, lo: int, parts, bounds, skip: int | None = None) -> None:
+    """The segment from ``lo``: slice j (``bounds[j]:bounds[j+1]``) out of ``parts[j]``
+    (but slice ``skip``, already in place)."""
     data = buf.data
     for j in range(len(bounds) - 1):
-        data[lo + bounds[j]:lo + bounds[j + 1]] = parts[j][bounds[j]:bounds[j + 1]]
+        if j != skip:
+            data[lo + bounds[j]:lo + bounds[j + 1]] = parts[j][bounds[j]:bounds[j + 1]]
+
+
+def reduce_own_slice(ops, own, parts, k: int, bounds, scale: bool, divisor: int):
+    """Slice ``k``, the ring's order for chunk ``k``, into ``parts[k]`` (where the other
+    ranks copy it from) and ``own`` (this rank's buffer, its input): ``own`` + slice ``k``
+    of ``parts[k+1]``, ``parts[k+2]``, ... (cyclically), then / ``divisor`` when ``scale``."""
+    a, b = bounds[k], bounds[k + 1]
+    acc, n = parts[k][a:b], len(parts)
+    peers = tuple(parts[(k + i) % n][a:b] for i in range(1, n))
+    if ops.dtype.name in FUSED_DTYPES:
+        reduce_slice(acc, own, own, peers, divisor if scale else 1)
+        return
+    ops.sum_into(acc, own, peers[0])
+    for peer in peers[1:]:
+        ops.add(acc, peer)
+    if scale:
+        ops.scale(acc, divisor)
+    own[:] = acc
 
 
 def reduce_in_ring_order(ops, parts, k: int, bounds, scale: bool, divisor: int):

@@ -62,7 +62,8 @@ def test_shm_small_buffers_take_the_cheaper_one_round_variant():
     L = 4
     one_round = cal.alpha_call + cal.alpha_sync + n * (2 / cal.beta_mem + (L - 1) / cal.gamma)
     two_rounds = (cal.alpha_call + 2 * cal.alpha_sync
-                  + n * (2 / cal.beta_mem + 1 / (L * cal.beta_mem) + (L - 1) / (L * cal.gamma)))
+                  + n * (2 * (L - 1) / (L * cal.beta_mem) + 1 / (L * cal.beta_mem)
+                     + (L - 1) / (L * cal.gamma)))
     assert predict("shm", n, topo, cal) == pytest.approx(min(one_round, two_rounds))
     assert predict("shm", n, topo, cal, small=0) == pytest.approx(two_rounds)
     # segments: one flag-round pair each
@@ -271,7 +272,7 @@ def test_profiles_replace_the_constants_in_the_formulas():
     assert predict("ring", n, Topology.uniform(1, p), cal) == pytest.approx(
         cal.alpha_call + 2 * (p - 1) * (cal.t_p2p(chunk) + cal.alpha_ring_step) + (p - 1) * cal.t_add(chunk))
     assert predict("shm", n, Topology.uniform(1, p), cal) == pytest.approx(
-        cal.alpha_call + 2 * cal.alpha_sync + 2 * cal.t_copy(n) + cal.t_copy(n / p)
+        cal.alpha_call + 2 * cal.alpha_sync + 2 * (p - 1) / p * cal.t_copy(n) + cal.t_copy(n / p)
         + (p - 1) * cal.t_add(n / p))
     # native messages: the profile's bandwidth part, MPI's own latency, after the call
     assert predict("native_rd", 4096, Topology.uniform(1, 2), cal) == pytest.approx(

@@ -61,6 +61,19 @@ def test_shm_sum_has_the_documented_bits(world, n, dtype, call):
         assert np.array_equal(x, y), f"rank {rank}: shm and ring bits differ"
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+def test_shm_average_of_segments_has_the_rings_bits(world, dtype):
+    """Above SHM_SMALL bytes, the owner's reduction (its slice read from its own buffer, the
+    sum divided and written to window and buffer in one pass for float32/64, fp16 divided
+    before the sum) gives the ring's average bits."""
+    rank = world.Get_rank()
+    x, y = _inputs(rank, 65537, dtype), _inputs(rank, 65537, dtype)
+    hpcdp.allreduce(x, op="avg", algo="shm", name="x")
+    hpcdp.allreduce(y, op="avg", algo="ring", name="x")
+    assert np.array_equal(x, y), f"rank {rank}: shm and ring average bits differ"
+    assert_identical_everywhere(world, x)
+
+
 def test_shm_average_and_default_choice(world, rt, monkeypatch):
     rank, size = world.Get_rank(), world.Get_size()
     monkeypatch.setattr(rt, "algo", "shm")  # what HPCDP_ALGO=shm sets at init
