@@ -45,6 +45,11 @@ other mode); ``scaling_efficiency`` the same against ``local``, i.e. total
 throughput over the total of ranks that do not communicate. ``exposed_comm_s``
 (median over steps of the slowest rank's communication wait after backward)
 and ``bytes_sent_per_step`` (rank 0's, hpcdp only) as in ``hpcdp-bench train``.
+``cpu_s_per_step``: rank 0's process CPU time per step (every thread: compute, hpcdp's
+progress thread, gloo's), median over iterations; ``progress_cpu_s_per_step``: the part
+hpcdp's progress thread spent driving operations (what a mode's communication takes
+from the cores its ranks compute on; 0 for the peers, whose threads are not counted
+apart).
 """
 from __future__ import annotations
 
@@ -131,15 +136,19 @@ class _Bench:
         """``n`` steps of ``r``, started together on every rank; the iteration's time and
         the steps' exposed communication are kept when ``record``."""
         x, y = self.batch
+        engine = self.rt.engine
         self.ctl.Barrier()
-        t0 = time.perf_counter()
+        t0, cpu0, progress0 = time.perf_counter(), time.process_time(), engine.thread_cpu_ns
         exposed = [r.step(x, y, 1.0) for _ in range(n)]
         if record:
             r.times.append(time.perf_counter() - t0)
+            r.cpu.append((time.process_time() - cpu0) / n)
+            r.progress_cpu.append((engine.thread_cpu_ns - progress0) * 1e-9 / n)
             r.exposed += exposed
 
     def warm_up(self, runners) -> None:
         for r in runners:
+            r.cpu, r.progress_cpu = [], []
             self.run(r, self.args.num_warmup_batches, record=False)
             r.bytes_before = r.bytes_sent()
 
@@ -190,6 +199,8 @@ def _record(bench, r, runners, after) -> dict:
            "scaling_efficiency": None if local is None else _paired(r, local),
            "ratio_to": {_label(o): _paired(r, o) for o in runners if o is not r},
            "exposed_comm_s": statistics.median(r.exposed_times),
+           "cpu_s_per_step": statistics.median(r.cpu),
+           "progress_cpu_s_per_step": statistics.median(r.progress_cpu),
            "bytes_sent_per_step": None if after is None else (after - r.bytes_before) / steps,
            "batch_size": a.batch_size, "num_iters": a.num_iters,
            "num_batches_per_iter": a.num_batches_per_iter, "num_warmup_batches": a.num_warmup_batches,

@@ -93,6 +93,7 @@ class Engine:
         self._closed = False
         self._stall = None                     # (timeout_s, where it was set) once watched
         self.last_progress = monotonic()
+        self.thread_cpu_ns = 0                 # CPU time the progress thread spent driving ops
         # wait by testing requests and yielding the core between tests, instead of
         # inside MPI (see hpcdp.comm.waiting: more ranks than cores, an MPI that spins)
         self.yield_cpu = yield_cpu
@@ -279,8 +280,10 @@ class Engine:
                     return
                 h = self._queue.popleft()
                 self._take(h)
+            cpu = time.thread_time_ns()
             self._drive_backoff(h, MPI)
             with self._cv:
+                self.thread_cpu_ns += time.thread_time_ns() - cpu
                 self._release(h)
 
     def _drive_backoff(self, h: Handle, MPI):

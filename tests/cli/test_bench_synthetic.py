@@ -10,7 +10,8 @@ from launch import ran_on_cuda, run_mpi
 pytest.importorskip("torch")
 
 REQUIRED = {"bench", "model", "mode", "compression", "np", "throughput", "unit", "ratio_to_ddp",
-            "scaling_efficiency", "ratio_to", "exposed_comm_s", "bytes_sent_per_step", "per_rank"}
+            "scaling_efficiency", "ratio_to", "exposed_comm_s", "bytes_sent_per_step", "per_rank",
+            "cpu_s_per_step", "progress_cpu_s_per_step"}
 SMALL = ["--num-warmup-batches", "2", "--num-batches-per-iter", "1", "--num-iters", "3"]
 
 
@@ -68,7 +69,11 @@ def test_resnet_modes_print_horovods_lines_and_a_record_each():
         assert r["ratio_to_ddp"] == (1.0 if r["mode"] == "ddp" else r["ratio_to"]["ddp"])
         assert r["scaling_efficiency"] == (1.0 if r["mode"] == "local" else r["ratio_to"]["local"])
         assert 0 <= r["exposed_comm_s"]
+        assert 0 <= r["progress_cpu_s_per_step"] < r["cpu_s_per_step"], r
     assert by["local"]["exposed_comm_s"] == 0 and by["local"]["bytes_sent_per_step"] == 0
+    # the progress thread drives hpcdp's allreduces only
+    assert by["hpcdp"]["progress_cpu_s_per_step"] > 0
+    assert by["local"]["progress_cpu_s_per_step"] == by["ddp"]["progress_cpu_s_per_step"] == 0
     # hpcdp's ring moves 2 (n-1)/n of the gradients per step at n = 2: one copy of them
     n_params = 11_689_512
     for m in ("hpcdp", "hpcdp-sync"):
