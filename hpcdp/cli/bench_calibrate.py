@@ -14,6 +14,9 @@ rank holds the same numbers; rank 0 prints one JSON line and writes the file (de
   ``add``, ``np.add(a, b, out=a)`` over float32 (every rank at once, as in an allreduce);
 * from them: alpha_step (the 8-byte ``Sendrecv``), beta_intra (4 MiB / (time(4 MiB) -
   alpha_step)), beta_mem and gamma (the 4 MiB copy and addition);
+* the ``shared_copy`` and ``shared_add`` profiles (up to 4 MiB): the same copy and addition
+  reading the node window part the next local rank has just written, as the shared-memory
+  algorithms do (only where every node has two ranks);
 * alpha_sync: a flag round of the node's shared window (:mod:`hpcdp.comm.nodewin`), which
   the shared-memory algorithms wait on;
 * alpha_call: ``hpcdp.allreduce`` (``check=False``) of an empty array: everything a call
@@ -118,6 +121,58 @@ def _memory(world, MPI, reps: int, out: dict) -> None:
     out["gamma"] = SEGMENT / dict(adds)[SEGMENT]
 
 
+def _shared(world, local, MPI, reps: int, out: dict, notes: dict) -> None:
+    """The ``shared_copy`` and ``shared_add`` profiles: ``np.copyto`` from, and ``np.add``
+    over float32 of, the node window part that the next local rank has just written (the
+    reads the shared-memory algorithms make: the lines come from another core's cache), at
+    each profiled size up to a segment; every rank at once, each read alone timed between
+    the writer's flag round and the next."""
+    if not world.allreduce(local.Get_size() > 1, op=MPI.LAND):
+        notes["shared_copy"] = notes["shared_add"] = "a node with one rank: no peer to read from"
+        return
+    from hpcdp.comm.nodewin import NodeWindow
+    from hpcdp.comm.waiting import complete
+
+    sizes = [n for n in costmodel.PROFILE_SIZES if n <= SEGMENT]
+    window = NodeWindow(local, MPI)
+    window.attach_data(max(sizes))
+    peer = (local.Get_rank() + 1) % local.Get_size()
+
+    def flag_round():
+        pending = window.post()
+        if pending is not None:
+            complete(MPI, pending, False)
+        window.arrived()
+
+    def after_peer_wrote(mine, source, read, count: int) -> float:
+        times = []
+        for _ in range(count + 1):
+            mine[:] = source  # the peer's write of what this rank reads next
+            flag_round()
+            t0 = time.perf_counter()
+            read()
+            times.append(time.perf_counter() - t0)
+            flag_round()  # nobody writes again before every rank has read
+        return statistics.median(times[1:])
+
+    try:
+        copies, adds = [], []
+        for nbytes in sizes:
+            n = max(1, nbytes // 4)
+            parts = window.views(np.dtype(np.float32), n)
+            mine, theirs = parts[local.Get_rank()], parts[peer]
+            source, a, dst = (np.full(n, 1e-3, np.float32), np.zeros(n, np.float32),
+                              np.empty(n, np.float32))
+            count = reps * (5 if nbytes <= 64 << 10 else 1)  # small reads: a noisier clock
+            copy = after_peer_wrote(mine, source, lambda: np.copyto(dst, theirs), count)
+            add = after_peer_wrote(mine, source, lambda: np.add(a, theirs, out=a), count)
+            copies.append([nbytes, world.allreduce(copy, op=MPI.MAX)])
+            adds.append([nbytes, world.allreduce(add, op=MPI.MAX)])
+        out["shared_copy"], out["shared_add"] = copies, adds
+    finally:
+        window.free()
+
+
 def _inter(world, MPI, hostnames, reps: int, out: dict, notes: dict) -> None:
     """alpha_inter and beta_inter between local rank 0 of the first two nodes."""
     hosts = list(dict.fromkeys(hostnames))
@@ -192,6 +247,7 @@ def measure(rt, reps: int = 11) -> tuple:
     try:
         _node_p2p(world, local, MPI, reps, out, notes)
         _memory(world, MPI, reps, out)
+        _shared(world, local, MPI, reps, out, notes)
         out["alpha_sync"] = world.allreduce(_flag_round(local, MPI, reps), op=MPI.MAX)
         _inter(world, MPI, rt.hostnames, reps, out, notes)
         _call(world, MPI, reps, out, notes)

@@ -33,7 +33,7 @@ ENV_VAR = "HPCDP_CALIBRATION"
 NATIVE_ALPHA_INTRA = 2e-6
 #: the sizes hpcdp-bench calibrate profiles (bytes): tiny, in cache, and out of it
 PROFILE_SIZES = (8, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
-PROFILES = ("p2p", "copy", "add")
+PROFILES = ("p2p", "copy", "add", "shared_copy", "shared_add")
 SHM_SEGMENT = 4 << 20
 SHM_SMALL = 64 << 10
 ALGOS = ("ring", "shm", "two_level", "native_rd", "native_rsag", "native")
@@ -65,6 +65,10 @@ class Calibration:
     p2p: tuple = ()
     copy: tuple = ()
     add: tuple = ()
+    # the same copy and addition reading a node window part another rank has just written
+    # (its lines come from the writer's cache), up to a segment; empty: copy and add's
+    shared_copy: tuple = ()
+    shared_add: tuple = ()
     source: str = "defaults"  # "defaults", or the file it was read from and when it was measured
 
     def to_dict(self) -> dict:
@@ -81,6 +85,19 @@ class Calibration:
     def t_add(self, n: float) -> float:
         """Seconds of one rank's float32 ``a += b`` over ``n`` bytes of ``b``."""
         return _read(self.add, n) if self.add else n / self.gamma
+
+    def t_shared_copy(self, n: float) -> float:
+        """Seconds of one rank's copy of ``n`` bytes out of a window part that another rank
+        has just written: never less than a copy of its own memory (beyond the profile's
+        largest size both stream from memory)."""
+        own = self.t_copy(n)
+        return max(own, _read(self.shared_copy, n)) if self.shared_copy else own
+
+    def t_shared_add(self, n: float) -> float:
+        """Seconds of one rank's float32 ``a += b`` where ``b`` (``n`` bytes) is a window
+        part that another rank has just written (as :meth:`t_shared_copy`)."""
+        own = self.t_add(n)
+        return max(own, _read(self.shared_add, n)) if self.shared_add else own
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
@@ -303,22 +320,27 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
     bytes (segments run one after the other):
     1. copy in: every rank copies its segment but its own slice (n (L-1)/L) into the window;
     2. one flag round (alpha_sync);
-    3. rank j reduces slice j: its own input plus the other L - 1 (L - 1 additions of n/L),
-       written to the window and to its buffer (a copy of n/L);
+    3. rank j reduces slice j: its own input plus the other L - 1 (L - 1 additions of n/L
+       read from the others' window parts), written to the window and to its buffer (a
+       copy of n/L);
     4. one flag round;
-    5. copy out: every rank copies the other slices back (n (L-1)/L).
+    5. copy out: every rank copies the other slices back (n (L-1)/L, from the others' parts).
     Copies are timed at the whole buffer's size (:meth:`Calibration.t_copy`), where its
-    cache residency is decided, and scaled; additions at the slice's.
+    cache residency is decided, and scaled; additions at the slice's. Reads of what another
+    rank wrote take the shared profiles (:meth:`Calibration.t_shared_copy`,
+    :meth:`~Calibration.t_shared_add`).
     Up to ``small`` bytes, the one-round variant is taken when it is faster: copy in, one flag
-    round, every rank reduces the whole buffer itself (a copy, L - 1 additions of n)."""
+    round, every rank reduces the whole buffer itself (a copy and L - 1 additions of n, read
+    from the window)."""
     if ranks == 1 or n == 0:
         return cal.alpha_call
     L = ranks
     segments = math.ceil(n / segment)
-    big = (segments * 2 * cal.alpha_sync + 2 * (L - 1) / L * cal.t_copy(n) + cal.t_copy(n / L)
-           + (L - 1) * cal.t_add(n / L))
+    big = (segments * 2 * cal.alpha_sync + (L - 1) / L * (cal.t_copy(n) + cal.t_shared_copy(n))
+           + cal.t_copy(n / L) + (L - 1) * cal.t_shared_add(n / L))
     if n <= small:
-        one_round = cal.alpha_sync + 2 * cal.t_copy(n) + (L - 1) * cal.t_add(n)
+        one_round = (cal.alpha_sync + cal.t_copy(n) + cal.t_shared_copy(n)
+                     + (L - 1) * cal.t_shared_add(n))
         big = min(big, one_round)
     return cal.alpha_call + big
 
@@ -329,11 +351,13 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGM
     node; local ranks >= Lmin only contribute their data), per segment of ``segment`` bytes
     (the node window's capacity, as hpcdp.comm.twolevel does):
     1. reduce-scatter in every node: copy in, one flag round, local rank j < Lmin reduces
-       slice j of n/Lmin from the node's L inputs (first one copied);
+       slice j of n/Lmin from the node's L inputs (first one copied, the others added from
+       their window parts: the shared profile);
     2. local rank j runs a ring across the N nodes on slice j: 2(N-1) steps of
        n/(Lmin N) bytes; the Lmin rings share each node's link, so a step costs
        alpha_step + alpha_inter + Lmin chunk / beta_inter (+ an addition of chunk when reducing);
-    3. allgather in the node: one flag round, every rank copies the result out.
+    3. allgather in the node: one flag round, every rank copies the result out of the
+       owners' parts (the shared profile).
     The byte terms add up to those of one segment of n; every further segment pays the flag
     rounds and the ring's 2(N-1) latencies again. One node: :func:`_shm`."""
     N = topo.nodes
@@ -343,10 +367,10 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGM
         return cal.alpha_call
     lmin, lmax = min(topo.ranks_per_node), max(topo.ranks_per_node)
     part = n / lmin
-    scatter = cal.t_copy(n) + cal.t_copy(part) + (lmax - 1) * cal.t_add(part)
+    scatter = cal.t_copy(n) + cal.t_copy(part) + (lmax - 1) * cal.t_shared_add(part)
     chunk = n / (lmin * N)
     ring = 2 * (N - 1) * lmin * chunk / cal.beta_inter + (N - 1) * cal.t_add(chunk)
-    gather = cal.t_copy(n)
+    gather = cal.t_shared_copy(n)
     latency = 2 * cal.alpha_sync + 2 * (N - 1) * (cal.t_p2p(0) + cal.alpha_ring_step + cal.alpha_inter)
     return cal.alpha_call + scatter + ring + gather + math.ceil(n / segment) * latency
 
