@@ -14,9 +14,10 @@ rank holds the same numbers; rank 0 prints one JSON line and writes the file (de
   ``add``, ``np.add(a, b, out=a)`` over float32 (every rank at once, as in an allreduce);
 * from them: alpha_step (the 8-byte ``Sendrecv``), beta_intra (4 MiB / (time(4 MiB) -
   alpha_step)), beta_mem and gamma (the 4 MiB copy and addition);
-* the ``shared_copy`` and ``shared_add`` profiles (up to 4 MiB): the same copy and addition
-  reading the node window part the next local rank has just written, as the shared-memory
-  algorithms do (only where every node has two ranks);
+* the ``shared_copy``, ``shared_add`` and ``shared_write`` profiles (up to 4 MiB): the same
+  copy and addition reading the node window part the next local rank has just written, and
+  the copy into a rank's own part after the previous local rank read it, as the
+  shared-memory algorithms do (only where every node has two ranks);
 * alpha_sync: a flag round of the node's shared window (:mod:`hpcdp.comm.nodewin`), which
   the shared-memory algorithms wait on;
 * alpha_call: ``hpcdp.allreduce`` (``check=False``) of an empty array: everything a call
@@ -124,11 +125,13 @@ def _memory(world, MPI, reps: int, out: dict) -> None:
 def _shared(world, local, MPI, reps: int, out: dict, notes: dict) -> None:
     """The ``shared_copy`` and ``shared_add`` profiles: ``np.copyto`` from, and ``np.add``
     over float32 of, the node window part that the next local rank has just written (the
-    reads the shared-memory algorithms make: the lines come from another core's cache), at
+    reads the shared-memory algorithms make: the lines come from another core's cache); and
+    ``shared_write``: the copy into this rank's part after the previous rank read it; at
     each profiled size up to a segment; every rank at once, each read alone timed between
     the writer's flag round and the next."""
     if not world.allreduce(local.Get_size() > 1, op=MPI.LAND):
-        notes["shared_copy"] = notes["shared_add"] = "a node with one rank: no peer to read from"
+        notes["shared_copy"] = notes["shared_add"] = notes["shared_write"] = \
+            "a node with one rank: no peer to read from"
         return
     from hpcdp.comm.nodewin import NodeWindow
     from hpcdp.comm.waiting import complete
@@ -144,19 +147,23 @@ def _shared(world, local, MPI, reps: int, out: dict, notes: dict) -> None:
             complete(MPI, pending, False)
         window.arrived()
 
-    def after_peer_wrote(mine, source, read, count: int) -> float:
-        times = []
+    def after_peer_wrote(mine, source, read, count: int) -> tuple:
+        """Median seconds of ``read()`` after the peer's write, and of this rank's write of
+        its part after the peer's read of it (what copying into the window costs)."""
+        reads, writes = [], []
         for _ in range(count + 1):
-            mine[:] = source  # the peer's write of what this rank reads next
+            t0 = time.perf_counter()
+            mine[:] = source  # the write of what the previous rank reads next
+            writes.append(time.perf_counter() - t0)
             flag_round()
             t0 = time.perf_counter()
             read()
-            times.append(time.perf_counter() - t0)
+            reads.append(time.perf_counter() - t0)
             flag_round()  # nobody writes again before every rank has read
-        return statistics.median(times[1:])
+        return statistics.median(reads[1:]), statistics.median(writes[1:])
 
     try:
-        copies, adds = [], []
+        copies, adds, writes = [], [], []
         for nbytes in sizes:
             n = max(1, nbytes // 4)
             parts = window.views(np.dtype(np.float32), n)
@@ -164,11 +171,12 @@ def _shared(world, local, MPI, reps: int, out: dict, notes: dict) -> None:
             source, a, dst = (np.full(n, 1e-3, np.float32), np.zeros(n, np.float32),
                               np.empty(n, np.float32))
             count = reps * (5 if nbytes <= 64 << 10 else 1)  # small reads: a noisier clock
-            copy = after_peer_wrote(mine, source, lambda: np.copyto(dst, theirs), count)
-            add = after_peer_wrote(mine, source, lambda: np.add(a, theirs, out=a), count)
+            copy, write = after_peer_wrote(mine, source, lambda: np.copyto(dst, theirs), count)
+            add, _ = after_peer_wrote(mine, source, lambda: np.add(a, theirs, out=a), count)
             copies.append([nbytes, world.allreduce(copy, op=MPI.MAX)])
             adds.append([nbytes, world.allreduce(add, op=MPI.MAX)])
-        out["shared_copy"], out["shared_add"] = copies, adds
+            writes.append([nbytes, world.allreduce(write, op=MPI.MAX)])
+        out["shared_copy"], out["shared_add"], out["shared_write"] = copies, adds, writes
     finally:
         window.free()
 

@@ -33,7 +33,7 @@ ENV_VAR = "HPCDP_CALIBRATION"
 NATIVE_ALPHA_INTRA = 2e-6
 #: the sizes hpcdp-bench calibrate profiles (bytes): tiny, in cache, and out of it
 PROFILE_SIZES = (8, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
-PROFILES = ("p2p", "copy", "add", "shared_copy", "shared_add")
+PROFILES = ("p2p", "copy", "add", "shared_copy", "shared_add", "shared_write")
 SHM_SEGMENT = 4 << 20
 SHM_SMALL = 64 << 10
 ALGOS = ("ring", "shm", "two_level", "native_rd", "native_rsag", "native")
@@ -66,9 +66,12 @@ class Calibration:
     copy: tuple = ()
     add: tuple = ()
     # the same copy and addition reading a node window part another rank has just written
-    # (its lines come from the writer's cache), up to a segment; empty: copy and add's
+    # (its lines come from the writer's cache), and a copy into a rank's own part after
+    # another rank read it (its lines are invalidated there first), up to a segment;
+    # empty: copy and add's
     shared_copy: tuple = ()
     shared_add: tuple = ()
+    shared_write: tuple = ()
     source: str = "defaults"  # "defaults", or the file it was read from and when it was measured
 
     def to_dict(self) -> dict:
@@ -98,6 +101,12 @@ class Calibration:
         part that another rank has just written (as :meth:`t_shared_copy`)."""
         own = self.t_add(n)
         return max(own, _read(self.shared_add, n)) if self.shared_add else own
+
+    def t_shared_write(self, n: float) -> float:
+        """Seconds of one rank's copy of ``n`` bytes into its window part after another rank
+        read it (as :meth:`t_shared_copy`)."""
+        own = self.t_copy(n)
+        return max(own, _read(self.shared_write, n)) if self.shared_write else own
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
@@ -318,17 +327,17 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
          small: int = SHM_SMALL) -> float:
     """hpcdp's shared-memory allreduce on one node of L ranks. Per segment of ``segment``
     bytes (segments run one after the other):
-    1. copy in: every rank copies its segment but its own slice (n (L-1)/L) into the window;
+    1. copy in: every rank copies its segment but its own slice (n (L-1)/L) into its window
+       part, which the others read during the call before;
     2. one flag round (alpha_sync);
     3. rank j reduces slice j: its own input plus the other L - 1 (L - 1 additions of n/L
-       read from the others' window parts), written to the window and to its buffer (a
-       copy of n/L);
+       read from the others' window parts), written to its window part and to its buffer;
     4. one flag round;
     5. copy out: every rank copies the other slices back (n (L-1)/L, from the others' parts).
-    Copies are timed at the whole buffer's size (:meth:`Calibration.t_copy`), where its
-    cache residency is decided, and scaled; additions at the slice's. Reads of what another
-    rank wrote take the shared profiles (:meth:`Calibration.t_shared_copy`,
-    :meth:`~Calibration.t_shared_add`).
+    Copies are timed at the whole buffer's size, where its cache residency is decided, and
+    scaled; additions at the slice's. Reads of what another rank wrote and writes of what
+    another rank read take the shared profiles (:meth:`Calibration.t_shared_copy`,
+    :meth:`~Calibration.t_shared_add`, :meth:`~Calibration.t_shared_write`).
     Up to ``small`` bytes, the one-round variant is taken when it is faster: copy in, one flag
     round, every rank reduces the whole buffer itself (a copy and L - 1 additions of n, read
     from the window)."""
@@ -336,10 +345,11 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
         return cal.alpha_call
     L = ranks
     segments = math.ceil(n / segment)
-    big = (segments * 2 * cal.alpha_sync + (L - 1) / L * (cal.t_copy(n) + cal.t_shared_copy(n))
-           + cal.t_copy(n / L) + (L - 1) * cal.t_shared_add(n / L))
+    big = (segments * 2 * cal.alpha_sync
+           + (L - 1) / L * (cal.t_shared_write(n) + cal.t_shared_copy(n))
+           + cal.t_shared_write(n / L) + (L - 1) * cal.t_shared_add(n / L))
     if n <= small:
-        one_round = (cal.alpha_sync + cal.t_copy(n) + cal.t_shared_copy(n)
+        one_round = (cal.alpha_sync + cal.t_shared_write(n) + cal.t_shared_copy(n)
                      + (L - 1) * cal.t_shared_add(n))
         big = min(big, one_round)
     return cal.alpha_call + big
@@ -367,7 +377,7 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGM
         return cal.alpha_call
     lmin, lmax = min(topo.ranks_per_node), max(topo.ranks_per_node)
     part = n / lmin
-    scatter = cal.t_copy(n) + cal.t_copy(part) + (lmax - 1) * cal.t_shared_add(part)
+    scatter = cal.t_shared_write(n) + cal.t_copy(part) + (lmax - 1) * cal.t_shared_add(part)
     chunk = n / (lmin * N)
     ring = 2 * (N - 1) * lmin * chunk / cal.beta_inter + (N - 1) * cal.t_add(chunk)
     gather = cal.t_shared_copy(n)

@@ -112,8 +112,8 @@ def test_calibrate_measures_positive_constants_alike_on_every_rank(world, tmp_pa
     assert {"beta_mem", "gamma", "alpha_sync", "alpha_call", "alpha_native", "copy", "add"} <= set(
         rec["measured"])
     if rec["np"] > 1 and rec["nodes"] == 1:
-        assert {"p2p", "alpha_check", "alpha_ring_step", "shared_copy", "shared_add"} <= set(
-            rec["measured"])
+        assert {"p2p", "alpha_check", "alpha_ring_step", "shared_copy", "shared_add",
+                "shared_write"} <= set(rec["measured"])
     for f in set(costmodel.PROFILES) & set(rec["measured"]):
         sizes = [n for n in costmodel.PROFILE_SIZES if n <= 4 << 20 or not f.startswith("shared")]
         assert [n for n, _ in rec[f]] == sizes and all(t > 0 for _, t in rec[f])

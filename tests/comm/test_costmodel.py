@@ -253,7 +253,7 @@ PROFILED = dataclasses.replace(
     DEFAULTS, alpha_check=4e-6, alpha_native=0.5e-6, alpha_ring_step=1e-6,
     p2p=((8, 3e-6), (4096, 5e-6), (MIB, 100e-6)), copy=((8, 1e-6), (MIB, 50e-6)),
     add=((8, 1e-6), (MIB, 60e-6)), shared_copy=((8, 2e-6), (MIB, 80e-6)),
-    shared_add=((8, 2e-6), (MIB, 90e-6)))
+    shared_add=((8, 2e-6), (MIB, 90e-6)), shared_write=((8, 1.5e-6), (MIB, 100e-6)))
 
 
 def test_profiles_are_read_piecewise_linear_and_at_the_last_rate_beyond():
@@ -273,8 +273,9 @@ def test_profiles_replace_the_constants_in_the_formulas():
     assert predict("ring", n, Topology.uniform(1, p), cal) == pytest.approx(
         cal.alpha_call + 2 * (p - 1) * (cal.t_p2p(chunk) + cal.alpha_ring_step) + (p - 1) * cal.t_add(chunk))
     assert predict("shm", n, Topology.uniform(1, p), cal) == pytest.approx(
-        cal.alpha_call + 2 * cal.alpha_sync + (p - 1) / p * (cal.t_copy(n) + cal.t_shared_copy(n))
-        + cal.t_copy(n / p) + (p - 1) * cal.t_shared_add(n / p))
+        cal.alpha_call + 2 * cal.alpha_sync
+        + (p - 1) / p * (cal.t_shared_write(n) + cal.t_shared_copy(n))
+        + cal.t_shared_write(n / p) + (p - 1) * cal.t_shared_add(n / p))
     # native messages: the profile's bandwidth part, MPI's own latency, after the call
     assert predict("native_rd", 4096, Topology.uniform(1, 2), cal) == pytest.approx(
         cal.alpha_native + costmodel.NATIVE_ALPHA_INTRA + cal.t_p2p(4096) - cal.t_p2p(0)
@@ -290,13 +291,15 @@ def test_reads_of_another_ranks_writes_take_the_shared_profiles_never_below_own_
     slow_own = dataclasses.replace(cal, copy=((8, 1e-6), (MIB, 50e-6), (16 * MIB, 2000e-6)))
     assert slow_own.t_shared_copy(16 * MIB) == pytest.approx(2000e-6)
     # without shared profiles (older files): the local ones
-    old = dataclasses.replace(cal, shared_copy=(), shared_add=())
+    assert cal.t_shared_write(MIB) == 100e-6
+    old = dataclasses.replace(cal, shared_copy=(), shared_add=(), shared_write=())
     assert old.t_shared_copy(MIB) == old.t_copy(MIB) and old.t_shared_add(MIB) == old.t_add(MIB)
-    # the one-round shm path reads the whole buffer from the window: copy in, a shared copy,
-    # L - 1 shared additions
+    assert old.t_shared_write(MIB) == old.t_copy(MIB)
+    # the one-round shm path: copy into the window part the others read last time, then a
+    # shared copy and L - 1 shared additions
     n, L = 16 << 10, 4
     assert predict("shm", n, Topology.uniform(1, L), cal) <= (
-        cal.alpha_call + cal.alpha_sync + cal.t_copy(n) + cal.t_shared_copy(n)
+        cal.alpha_call + cal.alpha_sync + cal.t_shared_write(n) + cal.t_shared_copy(n)
         + (L - 1) * cal.t_shared_add(n)) * (1 + 1e-12)
 
 
