@@ -76,7 +76,9 @@ _SYNTHETIC_COLUMNS = [("model", "model", "str"), ("mode", "mode", "str"), ("comp
                       ("ranks", "np", "int"), ("throughput", "throughput", "num1"), ("+-", "throughput_conf", "num1"),
                       ("unit", "unit", "str"), ("/ ddp", "ratio_to_ddp", "ratio"),
                       ("scaling eff.", "scaling_efficiency", "ratio"), ("exposed comm (ms)", "exposed_comm_s", "ms"),
-                      ("sent per step (MB)", "bytes_sent_per_step", "mb")]
+                      ("sent per step (MB)", "bytes_sent_per_step", "mb"),
+                      ("CPU per step (ms)", "cpu_s_per_step", "ms"),
+                      ("progress thread CPU (ms)", "progress_cpu_s_per_step", "ms")]
 # the synthetic benchmark across emulated nodes: link and input besides
 _CLUSTER_SYNTHETIC_COLUMNS = [("link", "rate", "str"), ("batch", "batch_size", "int"),
                               ("image", "image_size", "int"), ("seq", "seq_len", "int")] + _SYNTHETIC_COLUMNS
