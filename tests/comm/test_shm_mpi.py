@@ -74,6 +74,19 @@ def test_shm_average_of_segments_has_the_rings_bits(world, dtype):
     assert_identical_everywhere(world, x)
 
 
+def test_shm_bfloat16_average_of_segments_has_the_rings_bits(world):
+    """bfloat16 (no fused kernel): divided before the sum, then the ring's order."""
+    torch = pytest.importorskip("torch")
+    rank = world.Get_rank()
+    g = torch.Generator().manual_seed(11 + rank)
+    x = torch.randn(65537, generator=g).to(torch.bfloat16)  # 128 KiB: the segment path
+    y = x.clone()
+    hpcdp.allreduce(x, op="avg", algo="shm", name="x")
+    hpcdp.allreduce(y, op="avg", algo="ring", name="x")
+    assert torch.equal(x.view(torch.int16), y.view(torch.int16)), f"rank {rank}"
+    assert_identical_everywhere(world, x.view(torch.int16).numpy())
+
+
 def test_shm_average_and_default_choice(world, rt, monkeypatch):
     rank, size = world.Get_rank(), world.Get_size()
     monkeypatch.setattr(rt, "algo", "shm")  # what HPCDP_ALGO=shm sets at init
