@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .dtypes import DType, dtype_from_name, host_adder, host_scale
-from .hugepages import collapser
+from .hugepages import MIN_BYTES, collapser
 
 __all__ = ["Buffer", "ArrayOps", "HostOps", "host_ops", "as_buffer", "register_device_ops"]
 
@@ -245,7 +245,8 @@ def as_buffer(x, name: str = "tensor") -> Buffer:
         if not flags.writeable:
             raise ValueError(f"hpcdp reduces in place but {name!r} is read-only")
         flat = x if x.ndim == 1 else x.reshape(-1)
-        collapser().see(flat.ctypes.data, flat.nbytes)
+        if flat.nbytes >= MIN_BYTES:  # (.ctypes.data costs a microsecond: not for small calls)
+            collapser().see(flat.ctypes.data, flat.nbytes)
         return Buffer(flat, flat.size, host[0], host[1], name)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
@@ -257,25 +258,32 @@ def as_buffer(x, name: str = "tensor") -> Buffer:
 
 
 def _torch_buffer(torch, t, name) -> Buffer:
-    dname = str(t.dtype).replace("torch.", "")
-    d = dtype_from_name(dname)
+    d = _TORCH_DTYPES.get(t.dtype)
+    if d is None:
+        d = _TORCH_DTYPES[t.dtype] = dtype_from_name(str(t.dtype).replace("torch.", ""))
     if t.requires_grad:
         raise ValueError(f"hpcdp reduces in place but {name!r} requires grad; pass {name}.detach() "
                          "(or .data) to reduce it outside autograd")
     if not t.is_contiguous():
         raise ValueError(f"hpcdp needs a contiguous tensor but {name!r} (shape {tuple(t.shape)}, "
                          f"stride {t.stride()}) is not; call .contiguous() and copy the result back")
-    flat = t.view(-1)
+    flat = t if t.dim() == 1 else t.view(-1)  # (a view costs a microsecond: not for flat buckets)
     if type(t) is not torch.Tensor:
         for klass in type(t).__mro__:
             if klass in _DEVICE_OPS:
                 return Buffer(flat, flat.numel(), d, _DEVICE_OPS[klass](d), name)
     if t.is_cuda:
         return Buffer(flat, flat.numel(), d, TorchCudaOps(d, t.device), name)
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise TypeError(f"hpcdp cannot reduce {name!r} on device {t.device}; CPU and CUDA only")
-    collapser().see(flat.data_ptr(), flat.numel() * d.itemsize)
-    return Buffer(_tensor_numpy(flat, d), flat.numel(), d, host_ops(d), name)
+    n = flat.numel()
+    if n * d.itemsize >= MIN_BYTES:
+        collapser().see(flat.data_ptr(), n * d.itemsize)
+    return Buffer(_tensor_numpy(flat, d), n, d, host_ops(d), name)
+
+
+# torch dtype -> DType, filled as dtypes are met (only supported ones: the others raise)
+_TORCH_DTYPES: dict = {}
 
 
 def _cai_buffer(x, name) -> Buffer:
