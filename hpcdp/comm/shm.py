@@ -45,8 +45,8 @@ from .schedule import chunk_bounds
 from .shm_kernels import FUSED_DTYPES, reduce_slice
 from .waiting import complete, drive
 
-__all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "copy_out", "reduce_in_ring_order", "reduce_own_slice",
-           "segment_elements", "SHM_CAPACITY", "SHM_SMALL", "HALF_DTYPES"]
+__all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "copy_out", "reduce_in_ring_order",
+           "reduce_own_slice", "segment_elements", "SHM_CAPACITY", "SHM_SMALL", "HALF_DTYPES"]
 
 #: bytes of a segment (each rank's window part holds two)
 SHM_CAPACITY = 4 << 20
