@@ -231,3 +231,31 @@ def test_down_is_idempotent(cluster):
     pidfiles = list((cluster.dir / "run").glob("*.pid"))
     assert pidfiles == [], pidfiles
     # The fixture's own teardown runs down.sh a third time.
+
+
+@pytest.mark.timeout(120)
+def test_an_exit_code_sbatch_lost_is_read_from_the_completion_log(live, monkeypatch):
+    """With MinJobAge short, a job's record can be purged before ``sbatch --wait`` asks for
+    it; sbatch then says so and exits 0. The harness reads the code from slurmctld's job
+    completion log instead: the script's status, or 1 for a script a signal ended (as
+    sbatch reports them)."""
+    import subprocess
+    scripts = {7: "#!/bin/bash\n#SBATCH -N 1 --time=1\necho ran; exit 7\n",
+               1: "#!/bin/bash\n#SBATCH -N 1 --time=1\necho ran; kill -9 $$\n"}
+    for want, script in scripts.items():
+        assert live.sbatch_wait(script, timeout=60)[0] == want  # sbatch itself
+    real = harness._run
+
+    def purged_before_sbatch_asked(cmd, **kw):
+        r = real(cmd, **kw)
+        if cmd[0] == "sbatch":
+            jobid = r.stdout.strip().split(";")[0]
+            r = subprocess.CompletedProcess(r.args, 0, r.stdout, r.stderr +
+                                            f"sbatch: error: Job {jobid} no longer found and "
+                                            "exit code not found\n")
+        return r
+
+    monkeypatch.setattr(harness, "_run", purged_before_sbatch_asked)
+    for want, script in scripts.items():
+        rc, out = live.sbatch_wait(script, timeout=60)
+        assert (rc, out.strip()) == (want, "ran"), out

@@ -326,7 +326,30 @@ class Cluster:
         if not jobid.isdigit():
             raise ClusterError(f"sbatch did not submit (rc={r.returncode}): {r.stderr.strip()}")
         out_file = jobs / f"{token}-{jobid}.out"
-        return r.returncode, out_file.read_text(errors="replace") if out_file.exists() else r.stderr
+        rc = r.returncode
+        if "no longer found and exit code not found" in r.stderr:
+            rc = self._completed_exit_code(jobid)
+        return rc, out_file.read_text(errors="replace") if out_file.exists() else r.stderr
+
+    def _completed_exit_code(self, jobid: str, wait: float = 10.0) -> int:
+        """The exit code of finished job ``jobid`` from slurmctld's job completion log (as
+        sbatch --wait reports it: the script's status, 1 for a script a signal ended), for
+        when sbatch lost it:
+        with MinJobAge short, the job's record can be purged before sbatch asks, and sbatch
+        then says so and exits 0."""
+        log = self.dir / "log" / "jobcomp.txt"
+        pattern = re.compile(rf"^JobId={jobid} .*\bExitCode=(\d+):(\d+)", re.M)
+        deadline = time.monotonic() + wait
+        while True:
+            m = pattern.search(log.read_text(errors="replace")) if log.exists() else None
+            if m:
+                status, signal = int(m.group(1)), int(m.group(2))
+                return status if status or not signal else 1
+            if time.monotonic() > deadline:
+                raise ClusterError(f"sbatch --wait lost the exit code of job {jobid} (its record was "
+                                   f"purged) and {log} has no line for it: re-run up.sh (it writes "
+                                   "that log since JobCompType=jobcomp/filetxt)")
+            time.sleep(0.2)
 
     @staticmethod
     def _job_output(jobs: Path, token: str) -> str:

@@ -212,7 +212,10 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
+# One line per finished job with its exit code: sbatch --wait reports 0 when the job's
+# record was purged (MinJobAge below) before it asked, and the harness then reads it here.
+JobCompType=jobcomp/filetxt
+JobCompLoc=$C_LOG/jobcomp.txt
 MailProg=/bin/true
 SchedulerType=sched/backfill
 FirstJobId=$first_job_id
