@@ -204,6 +204,7 @@ class Runner:
         self.active = self.mode != "single" or rt.rank == 0
         self.counter = 0
         self.times, self.exposed = [], []
+        self.cpu, self.progress_cpu = [], []  # per-step CPU (hpcdp-bench synthetic)
         self.bytes_before = None
 
     def _optimizer(self, args):

@@ -88,8 +88,9 @@ def _ring_exchange(comm, MPI, nbytes: int):
 
 def _node_p2p(world, local, MPI, reps: int, out: dict, notes: dict) -> None:
     """The ``p2p`` profile (a ring ``Sendrecv`` inside every node per profiled size, the
-    slowest node's times), and from it alpha_step (8 bytes) and beta_intra (4 MiB)."""
-    if not world.allreduce(local.Get_size() > 1, op=MPI.LAND):
+    slowest node's times), and from it alpha_step (8 bytes) and beta_intra (4 MiB).
+    ``local``: the node communicator, None where some node has one rank."""
+    if local is None:
         notes["alpha_step"] = notes["beta_intra"] = "a node with one rank: no neighbour inside it"
         return
     times = {n: world.allreduce(_median(local, _ring_exchange(local, MPI, n), reps, _inner(n)),
@@ -128,8 +129,8 @@ def _shared(world, local, MPI, reps: int, out: dict, notes: dict) -> None:
     reads the shared-memory algorithms make: the lines come from another core's cache); and
     ``shared_write``: the copy into this rank's part after the previous rank read it; at
     each profiled size up to a segment; every rank at once, each read alone timed between
-    the writer's flag round and the next."""
-    if not world.allreduce(local.Get_size() > 1, op=MPI.LAND):
+    the writer's flag round and the next. ``local``: as for :func:`_node_p2p`."""
+    if local is None:
         notes["shared_copy"] = notes["shared_add"] = notes["shared_write"] = \
             "a node with one rank: no peer to read from"
         return
@@ -253,9 +254,11 @@ def measure(rt, reps: int = 11) -> tuple:
     world, local, MPI = rt.comm.Dup(), rt.local.Dup(), rt.MPI
     out, notes = {}, {}
     try:
-        _node_p2p(world, local, MPI, reps, out, notes)
+        # the node communicator where every node has two ranks (None: a node has one)
+        pairs = local if world.allreduce(local.Get_size() > 1, op=MPI.LAND) else None
+        _node_p2p(world, pairs, MPI, reps, out, notes)
         _memory(world, MPI, reps, out)
-        _shared(world, local, MPI, reps, out, notes)
+        _shared(world, pairs, MPI, reps, out, notes)
         out["alpha_sync"] = world.allreduce(_flag_round(local, MPI, reps), op=MPI.MAX)
         _inter(world, MPI, rt.hostnames, reps, out, notes)
         _call(world, MPI, reps, out, notes)

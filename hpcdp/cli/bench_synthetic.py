@@ -148,7 +148,6 @@ class _Bench:
 
     def warm_up(self, runners) -> None:
         for r in runners:
-            r.cpu, r.progress_cpu = [], []
             self.run(r, self.args.num_warmup_batches, record=False)
             r.bytes_before = r.bytes_sent()
 

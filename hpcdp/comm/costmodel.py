@@ -91,22 +91,18 @@ class Calibration:
 
     def t_shared_copy(self, n: float) -> float:
         """Seconds of one rank's copy of ``n`` bytes out of a window part that another rank
-        has just written: never less than a copy of its own memory (beyond the profile's
-        largest size both stream from memory)."""
-        own = self.t_copy(n)
-        return max(own, _read(self.shared_copy, n)) if self.shared_copy else own
+        has just written (see :func:`_shared`)."""
+        return _shared(self.shared_copy, n, self.t_copy(n))
 
     def t_shared_add(self, n: float) -> float:
         """Seconds of one rank's float32 ``a += b`` where ``b`` (``n`` bytes) is a window
-        part that another rank has just written (as :meth:`t_shared_copy`)."""
-        own = self.t_add(n)
-        return max(own, _read(self.shared_add, n)) if self.shared_add else own
+        part that another rank has just written (see :func:`_shared`)."""
+        return _shared(self.shared_add, n, self.t_add(n))
 
     def t_shared_write(self, n: float) -> float:
         """Seconds of one rank's copy of ``n`` bytes into its window part after another rank
-        read it (as :meth:`t_shared_copy`)."""
-        own = self.t_copy(n)
-        return max(own, _read(self.shared_write, n)) if self.shared_write else own
+        read it (see :func:`_shared`)."""
+        return _shared(self.shared_write, n, self.t_copy(n))
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
@@ -172,6 +168,13 @@ def _profile(name: str, points) -> tuple:
             raise bad
         out.append((int(pair[0]), float(pair[1])))
     return tuple(out)
+
+
+def _shared(profile: tuple, n: float, own: float) -> float:
+    """A shared-window profile's time for ``n`` bytes, never less than ``own``, the same
+    operation on the rank's own memory (beyond the profile's largest size both stream from
+    memory); ``own`` where the calibration has no such profile."""
+    return max(own, _read(profile, n)) if profile else own
 
 
 def _read(profile: tuple, n: float) -> float:

@@ -175,7 +175,7 @@ def reduce_own_slice(ops, own, parts, k: int, bounds, scale: bool, divisor: int)
     acc, n = parts[k][a:b], len(parts)
     peers = tuple(parts[(k + i) % n][a:b] for i in range(1, n))
     if ops.dtype.name in FUSED_DTYPES:
-        reduce_slice(acc, own, own, peers, divisor if scale else 1)
+        reduce_slice(acc, own, peers, divisor if scale else 1)
         return
     ops.sum_into(acc, own, peers[0])
     for peer in peers[1:]:

@@ -24,13 +24,13 @@ _BLOCK = 4096
 _kernel = None
 
 
-def reduce_slice(win_out, buf_out, own, peers: tuple, divisor: int) -> None:
-    """``win_out = buf_out = (((own + peers[0]) + peers[1]) + ...) / divisor`` (no
-    division when ``divisor`` is 1); ``own`` may be ``buf_out``."""
+def reduce_slice(win_out, own, peers: tuple, divisor: int) -> None:
+    """``win_out = own = (((own + peers[0]) + peers[1]) + ...) / divisor`` (no division
+    when ``divisor`` is 1): ``own`` is the input and the second output."""
     global _kernel
     if _kernel is None:
         _kernel = _compile()
-    _kernel(win_out, buf_out, own, peers, win_out.dtype.type(divisor), divisor != 1)
+    _kernel(win_out, own, peers, win_out.dtype.type(divisor), divisor != 1)
 
 
 def _compile():
@@ -59,7 +59,7 @@ def _compile():
             out[i] = a[i]
 
     @numba.njit(**opts)
-    def reduce_slice_kernel(win_out, buf_out, own, peers, divisor, scale):
+    def reduce_slice_kernel(win_out, own, peers, divisor, scale):
         # block by block over slices (loops over whole slices vectorise; a loop over
         # indices into all operands did not): the block's passes run in cache
         n = win_out.shape[0]
@@ -71,6 +71,6 @@ def _compile():
                 add_to(out, peers[j][lo:hi])
             if scale:
                 divide(out, divisor)
-            copy(buf_out[lo:hi], out)
+            copy(own[lo:hi], out)
 
     return reduce_slice_kernel

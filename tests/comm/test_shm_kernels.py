@@ -31,7 +31,7 @@ def test_reduce_slice_has_numpys_bits_in_both_outputs(dtype, n, inputs, divisor)
                   for _ in range(inputs - 1))
     expected = _numpy_reduction(own, peers, divisor)
     win, buf = np.full(n, np.nan, dtype), own.copy()
-    reduce_slice(win, buf, buf, peers, divisor)  # the buffer is both input and output
+    reduce_slice(win, buf, peers, divisor)  # the buffer is both input and output
     assert np.array_equal(win.view(np.uint8), expected.view(np.uint8))
     assert np.array_equal(buf.view(np.uint8), expected.view(np.uint8))
 
@@ -40,6 +40,6 @@ def test_reduce_slice_keeps_nan_and_inf():
     own = np.array([np.inf, 1.0, np.nan, -np.inf], np.float32)
     peer = np.array([1.0, np.inf, 2.0, np.inf], np.float32)
     win, buf = np.empty(4, np.float32), own.copy()
-    reduce_slice(win, buf, buf, (peer,), 2)
+    reduce_slice(win, buf, (peer,), 2)
     assert win[0] == np.inf and win[1] == np.inf and np.isnan(win[2]) and np.isnan(win[3])
     assert np.array_equal(buf, win, equal_nan=True)
