@@ -120,8 +120,8 @@ def _sum_in_rank_order(window, buf, parts, average: bool):
     """The one-round path's end: ``buf = parts[0] + parts[1] + ...`` in rank order (then / N
     for a float32/64 average), and the next call takes the other half."""
     ops, out = buf.ops, buf.data
-    out[:] = parts[0]
-    for part in parts[1:]:
+    ops.sum_into(out, parts[0], parts[1])  # (a window has two ranks or more)
+    for part in parts[2:]:
         ops.add(out, part)
     if average and buf.dtype.name not in HALF_DTYPES:
         ops.scale(out, window.size)
