@@ -67,34 +67,35 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         return OpContext(self.comm, self.rt.MPI, next(self._tags) % 32000 + 1,
                          yield_cpu=self.rt.engine.yield_cpu, rank=self._rank, size=self._size)
 
-    def _submit(self, call: str, staged, value, where: dict, *steps):
+    def _submit(self, call: str, staged, value, where: dict, *steps, opts=None):
         """Queue ``steps`` (generators, run one after the other) then the staged copies back.
-        ``where``: what the stall watchdog reads (the steps' context's)."""
+        ``where``: what the stall watchdog reads (the steps' context's); ``opts``: the call's
+        options (``asyncOp`` False: run it now, see :func:`~hpcdp.dist.work.submit`)."""
         def operation():
             for step in steps:
                 yield from step
             staged.finish()
-        return submit(self, operation(), call, value, where)
+        return submit(self, operation(), call, value, where, _blocking(opts))
 
     # -- reductions ---------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         t = _one(tensors, "allreduce", self._rank)
-        return self._allreduce(t, _op_name(opts), "allreduce", tensors)
+        return self._allreduce(t, _op_name(opts), "allreduce", tensors, opts)
 
-    def _allreduce(self, t, op: str, call: str, value):
+    def _allreduce(self, t, op: str, call: str, value, opts=None):
         ctx = self._ctx()
         if op in ("SUM", "AVG") and _ours(t):  # hpcdp's allreduce, on host or device memory
             buf = as_buffer(t.detach(), call)
             opcode = _parse_op(op.lower(), buf)
             algo = _pick_algo(self.rt, None, buf, None) if self.whole else "ring"
             return submit(self, _allreduce_gen(self.rt, ctx, buf, opcode, True, False, None, None,
-                                               algo), call, value, ctx.where)
+                                               algo), call, value, ctx.where, _blocking(opts))
         _fold_check(op, t, call, self._rank)
         staged = ops.Staged()
         h = staged.host(t)
         return self._submit(call, staged, value, ctx.where,
                             ops.check(self.rt, ctx, "allreduce", h, ops.op_code(op)),
-                            ops.reduce_by_gathering(ctx, h, h, op))
+                            ops.reduce_by_gathering(ctx, h, h, op), opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """One allreduce of the tensors packed together, unpacked when it ends."""
@@ -130,7 +131,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         else:
             _fold_check(op, input, "reduce_scatter", self._rank)
             body = ops.reduce_by_gathering(ctx, out, inp, op, self._rank * output.numel())
-        return self._submit("reduce_scatter", staged, [output], ctx.where, check, body)
+        return self._submit("reduce_scatter", staged, [output], ctx.where, check, body, opts=opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -154,7 +155,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         h = staged.host(t)
         return self._submit("broadcast", staged, tensors, ctx.where,
                             ops.check(self.rt, ctx, "broadcast", h, 0, root),
-                            ops.broadcast(ctx, h, root))
+                            ops.broadcast(ctx, h, root), opts=opts)
 
     def all_gather_single(self, output, input, opts=None):
         if output.numel() != input.numel() * self._size:
@@ -165,7 +166,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         inp, out = staged.host(input), staged.host(output)
         return self._submit("allgather", staged, [output], ctx.where,
                             ops.check(self.rt, ctx, "allgather", inp),
-                            ops.allgather(ctx, out, inp))
+                            ops.allgather(ctx, out, inp), opts=opts)
 
     _allgather_base = all_gather_single
 
@@ -188,7 +189,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         return self._submit("alltoall", staged, [output], ctx.where,
                             ops.check(self.rt, ctx, "alltoall", inp),
                             ops.alltoall(ctx, out, inp, list(output_split_sizes),
-                                         list(input_split_sizes)))
+                                         list(input_split_sizes)), opts=opts)
 
     alltoall_base = all_to_all_single
 
@@ -209,7 +210,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         unpack = (lambda: _unpack(flat, output_tensors[0])) if flat is not None else (lambda: None)
         work = self._submit("gather", staged, output_tensors, ctx.where,
                             ops.check(self.rt, ctx, "gather", h, 0, root),
-                            ops.gather(ctx, flat, h, root))
+                            ops.gather(ctx, flat, h, root), opts=opts)
         return work.then(unpack, output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
@@ -221,13 +222,13 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
                 if self._rank == root else None)
         return self._submit("scatter", staged, output_tensors, ctx.where,
                             ops.check(self.rt, ctx, "scatter", h, 0, root),
-                            ops.scatter(ctx, h, flat, root))
+                            ops.scatter(ctx, h, flat, root), opts=opts)
 
     def barrier(self, opts=None):
         ctx = self._ctx()
         marker = torch.empty(0)
         return self._submit("barrier", ops.Staged(), [], ctx.where,
-                            ops.check(self.rt, ctx, "barrier", marker), ops.barrier(ctx))
+                            ops.check(self.rt, ctx, "barrier", marker), ops.barrier(ctx), opts=opts)
 
     # -- point to point -----------------------------------------------------------------
     def send(self, tensors, dst: int, tag: int):
@@ -288,6 +289,12 @@ def _op_name(opts) -> str:
         raise NotImplementedError("the hpcdp backend has no ReduceOp.PREMUL_SUM; scale the tensor "
                                   "and use ReduceOp.SUM")
     return op
+
+
+def _blocking(opts) -> bool:
+    """Whether torch waits for the call at once (``async_op=False``: ``opts.asyncOp`` is
+    False; torch's option objects default to True, and calls without options are async)."""
+    return opts is not None and getattr(opts, "asyncOp", True) is False
 
 
 def _ours(t) -> bool:

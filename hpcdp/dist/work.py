@@ -1,25 +1,30 @@
 """torch ``Work`` objects over hpcdp's progress engine.
 
 An operation is a generator (as every hpcdp collective); :func:`submit` queues it on
-the engine wrapped so that its end completes a torch future with the collective's
-output tensors (what gloo's futures hold), or fails it with the error naming the rank
-and the call:
+the engine wrapped so that its end completes the Work's torch future with the
+collective's output tensors (what gloo's futures hold), or fails it with the error
+naming the rank and the call (``set_exception``: C++ consumers such as DDP's reducer and
+Python callbacks see a failed future). Who completes the future:
 
-1. the engine runs the operation; at its end a completion thread sets the *trigger*
-   future to the outputs, or to a :class:`_Failed` carrying the error;
-2. the Work's future is ``trigger.then(unwrap)``: for a failure ``unwrap`` raises, so
-   C++ consumers (DDP's reducer) and Python callbacks see a failed future;
-3. :meth:`Work.wait` first waits on the engine's handle (so the engine knows a caller
-   waits: it completes the operation with ``Waitall``, or runs it inline when idle),
-   which raises the operation's own error (``MismatchError``, ``CommError``), not
-   torch's wrapping of it; then on the future.
+1. an operation the progress thread finished: a completion thread. A future's callbacks
+   run on the thread that completes it, and torch's own comm hooks wait inside callbacks
+   for collectives they have just started (PowerSGD waits for its P allreduce in the
+   callback of the first one), which the progress thread must be free to drive;
+2. an operation its waiter ran (:meth:`Work.wait` on an idle engine runs it inline, as
+   ``dist.all_reduce`` without ``async_op`` does every call): that thread, in
+   :meth:`Work.wait` once the engine has let go of the operation, so a callback that
+   starts and waits for another collective finds the engine free. No hand-off to another
+   thread and back (two thread switches, which cost a blocking call through torch ~2x
+   its time);
+3. otherwise (poll mode, where any caller's progress may finish any operation): a
+   completion thread, as 1.
 
-Futures are completed on a small pool of completion threads, not on the progress
-thread: a future's callbacks run on the thread that completes it, and torch's own
-comm hooks wait inside callbacks for collectives they have just started (PowerSGD
-waits for its P allreduce in the callback of the first one), which the progress
-thread must be free to drive. Completion threads use the caller's torch thread count
-(see ``_thread_setup`` in :mod:`hpcdp._runtime`).
+:meth:`Work.wait` first waits on the engine's handle (so the engine knows a caller waits:
+it completes the operation with ``Waitall``, or runs it inline when idle), which raises the
+operation's own error (``MismatchError``, ``CommError``), not torch's wrapping of it.
+
+Completion threads use the caller's torch thread count (see ``_thread_setup`` in
+:mod:`hpcdp._runtime`).
 """
 from __future__ import annotations
 
@@ -38,28 +43,52 @@ __all__ = ["Work", "submit", "completed", "after_all"]
 _POOL_THREADS = 4
 _pool = None
 _pool_lock = threading.Lock()
+_PENDING = object()
 
 
-class _Failed:
-    """What a failed operation's trigger future holds: the error to raise."""
-    __slots__ = ("error",)
+class Completion:
+    """An operation's outcome (its outputs, or the error to raise), delivered to its
+    future once, by whichever of the completion thread and the waiter comes first."""
 
-    def __init__(self, error: Exception):
-        self.error = error
+    __slots__ = ("future", "outcome", "failed", "_lock", "_delivered")
+
+    def __init__(self, future):
+        self.future = future
+        self.outcome = _PENDING  # the outputs or the error, once the operation ended
+        self.failed = False
+        self._lock = threading.Lock()
+        self._delivered = False
+
+    def deliver(self) -> None:
+        """Complete the future with the outcome (a no-op before the operation ended, and
+        after the first delivery)."""
+        with self._lock:
+            if self._delivered or self.outcome is _PENDING:
+                return
+            self._delivered = True
+        if self.failed:
+            self.future.set_exception(self.outcome)
+        else:
+            self.future.set_result(self.outcome)
 
 
 class Work(dist._Work):
     """A pending collective of the "hpcdp" backend: ``wait()`` raises the operation's own
     error; ``get_future()`` is a torch future completed with the outputs (or failed)."""
 
-    def __init__(self, future, handles: list):
+    def __init__(self, future, handles: list, completions: list):
         super().__init__()
         self._future = future
         self._handles = handles  # the engine handles of the operations this Work waits for
+        self._completions = completions  # and their outcomes, to deliver once they are done
 
     def wait(self, timeout=None) -> bool:
-        for h in self._handles:  # a waiter on the engine (Waitall, or inline when idle); raises
-            h.wait()             # the operation's own error
+        try:
+            for h in self._handles:  # a waiter on the engine (Waitall, or inline when idle);
+                h.wait()             # raises the operation's own error
+        finally:  # (those this thread ran inline, failed ones too: no completion thread)
+            for c in self._completions:
+                c.deliver()
         self._future.wait()
         return True
 
@@ -70,21 +99,14 @@ class Work(dist._Work):
         return self._future.done()
 
     def then(self, after, value) -> "Work":
-        """A Work done once this one is and ``after()`` has run (on the completion thread);
-        its future holds ``value``."""
+        """A Work done once this one is and ``after()`` has run (on the thread that completed
+        this one); its future holds ``value``."""
         def finish(fut):
             fut.value()  # (raises this Work's error)
             if after is not None:
                 after()
             return value
-        return Work(self._future.then(finish), self._handles)
-
-
-def _unwrap(fut):
-    value = fut.value()
-    if isinstance(value, _Failed):
-        raise value.error
-    return value
+        return Work(self._future.then(finish), self._handles, self._completions)
 
 
 def _tensors(value):
@@ -111,34 +133,62 @@ def _completer(engine) -> ThreadPoolExecutor:
     return _pool
 
 
-def _completing(gen, trigger, value, rank: int, name: str, pool):
-    """Generator: ``gen``, then ``trigger`` completed on a completion thread with ``value``
-    or with ``gen``'s error (the one the engine's handle raises too)."""
+def _completing(gen, done: Completion, value, rank: int, name: str, engine):
+    """Generator: ``gen``, then ``done`` holds ``value`` or ``gen``'s error (the one the
+    engine's handle raises too), delivered as the module docstring says."""
     try:
         yield from gen
     except Exception as exc:
         error = as_comm_error(rank, name, exc)
-        pool.submit(trigger.set_result, _Failed(error))
+        done.failed, done.outcome = True, error  # (the flag first: deliver() reads outcome)
+        _hand_over(done, engine)
         raise error
-    pool.submit(trigger.set_result, value)
+    done.outcome = value
+    _hand_over(done, engine)
 
 
-def submit(group, gen, name: str, value, where=None) -> Work:
+def _hand_over(done: Completion, engine) -> None:
+    """A completion thread delivers ``done`` unless this thread is the operation's waiter
+    (thread mode, not the progress thread: :meth:`Engine._wait_for` running it inline),
+    which delivers it in :meth:`Work.wait`."""
+    if engine.mode == "thread" and threading.current_thread() is not engine._thread:
+        return
+    _completer(engine).submit(done.deliver)
+
+
+def submit(group, gen, name: str, value, where=None, blocking: bool = False) -> Work:
     """Queue operation ``gen`` of ``group`` on the engine; a Work completed with ``value``.
-    ``where``: the operation's context's dict that the stall watchdog reads."""
-    trigger = _future(value)
+    ``where``: the operation's context's dict that the stall watchdog reads. ``blocking``: the
+    caller waits for it at once (torch's ``async_op=False``, which torch tells the backend
+    as ``opts.asyncOp``): it runs now, on this thread when the engine is idle (as a
+    blocking ``hpcdp.allreduce``: no progress thread woken, nothing handed over), and the
+    Work is done (or failed) when this returns."""
     label = f"{name}{group.label}"
     engine = group.rt.engine
-    handle = engine.submit(_completing(gen, trigger, value, group.rank(), label, _completer(engine)),
-                           label, None, where)
-    return Work(trigger.then(_unwrap), [handle])
+    if blocking:
+        try:
+            engine.run(gen, label, None, where)
+        except Exception as exc:
+            return failed(as_comm_error(group.rank(), label, exc), value)
+        return completed(value)
+    done = Completion(_future(value))
+    handle = engine.submit(_completing(gen, done, value, group.rank(), label, engine), label, None,
+                           where)
+    return Work(done.future, [handle], [done])
 
 
 def completed(value) -> Work:
     """A Work that is already done (a collective with nothing to move)."""
     fut = _future(value)
     fut.set_result(value)
-    return Work(fut, [])
+    return Work(fut, [], [])
+
+
+def failed(error: Exception, value) -> Work:
+    """A Work that failed already: ``wait()`` and its future raise ``error``."""
+    fut = _future(value)
+    fut.set_exception(error)
+    return Work(fut, [], [])
 
 
 def after_all(works, value) -> Work:
@@ -148,4 +198,5 @@ def after_all(works, value) -> Work:
             f.value()
         return value
     futures = torch.futures.collect_all([w.get_future() for w in works])
-    return Work(futures.then(finish), [h for w in works for h in w._handles])
+    return Work(futures.then(finish), [h for w in works for h in w._handles],
+                [c for w in works for c in w._completions])

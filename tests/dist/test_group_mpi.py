@@ -81,6 +81,67 @@ def test_async_work_and_future(pg):
     assert torch.equal(doubled.wait(), xs[1] * 2)
 
 
+def test_callback_may_wait_for_another_collective(pg):
+    """A callback on a Work's future that starts a collective and waits for it (what torch's
+    PowerSGD hook does) completes, whether the progress thread or the waiter ran the first
+    one; every rank gets both results."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    for async_first in (True, False):
+        x, y = torch.full((9,), float(rank)), torch.full((5,), float(rank + 1))
+        if async_first:
+            work = dist.all_reduce(x, async_op=True)
+        else:  # (the engine busy with another collective: the progress thread runs both)
+            busy = dist.all_reduce(torch.ones(1 << 16), async_op=True)
+            work = dist.all_reduce(x, async_op=True)
+        chained = work.get_future().then(lambda f: dist.all_reduce(y) or f.value()[0] + y[0])
+        work.wait()
+        total = float(sum(range(size)))
+        assert torch.equal(chained.wait(), torch.full((9,), total) + total + size)
+        assert torch.equal(x, torch.full((9,), total))
+        if not async_first:
+            busy.wait()
+
+
+def test_a_call_torch_waits_for_runs_at_once(pg):
+    """``opts.asyncOp`` False (what torch passes for ``async_op=False``): the Work is done when
+    the call returns, with the result; a mismatched one returns a failed Work (raising
+    MismatchError from ``wait()`` and its future) instead of raising from the call."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    x = torch.full((33,), float(rank))
+    work = pg.allreduce([x], opts)
+    assert work.is_completed()
+    assert torch.equal(x, torch.full((33,), float(sum(range(size)))))
+    b = dist.BroadcastOptions()
+    b.rootRank, b.rootTensor, b.asyncOp = size - 1, 0, False
+    y = torch.full((4,), float(rank))
+    assert pg.broadcast([y], b).is_completed()
+    assert torch.equal(y, torch.full((4,), float(size - 1)))
+    if size > 1:
+        work = pg.allreduce([torch.ones(10 + (rank == 1))], opts)
+        assert work.is_completed()
+        for wait in (work.wait, work.get_future().wait):
+            with pytest.raises(MismatchError, match="different arguments"):
+                wait()
+
+
+def test_a_failed_collective_fails_its_future(pg):
+    """A mismatched async call: ``wait()`` raises MismatchError, and so does the Work's future
+    (set_exception: the error itself, not torch's wrapping), on every rank."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    if size == 1:
+        pytest.skip("one rank cannot disagree with itself")
+    work = dist.all_reduce(torch.ones(10 + (rank == 1)), async_op=True)
+    with pytest.raises(MismatchError, match="different arguments"):
+        work.wait()
+    with pytest.raises(MismatchError, match="different arguments"):
+        work.get_future().wait()
+    x = torch.ones(3)
+    dist.all_reduce(x)
+    assert x.tolist() == [float(size)] * 3
+
+
 @pytest.mark.parametrize("n", LENGTHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.uint8])
 def test_broadcast(pg, n, dtype):
