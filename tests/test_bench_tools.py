@@ -46,7 +46,8 @@ def test_a_point_holds_when_four_of_five_rounds_hold_its_bound():
 def test_backend_rounds_relate_the_hpcdp_backend_to_gloo_from_16_mib():
     def line(nbytes, ratio, rnd):
         return dict(_line(nbytes, 1.0, rnd, algo="ring"), ratio_torch_hpcdp_to_gloo=ratio,
-                    torch_hpcdp_busbw=3.0 * rnd, gloo_busbw=1.0, native_busbw=2.0, hpcdp_busbw=4.0)
+                    torch_hpcdp_busbw=3.0 * rnd, gloo_busbw=1.0, native_busbw=2.0, hpcdp_busbw=4.0,
+                    torch_hpcdp_time_s=1e-4 * rnd)
     lines = ([line(MiB, 10.0, i) for i in range(1, 4)]
              + [line(64 * MiB, r, i) for i, r in enumerate([2.9, 3.5, 3.1], start=1)])
     out = {p["bytes"]: p for p in bench_rounds.summarise(lines, bench_rounds.BACKEND)}
@@ -55,6 +56,7 @@ def test_backend_rounds_relate_the_hpcdp_backend_to_gloo_from_16_mib():
     assert big["bound"] == 3.0 and big["ratios"] == [2.9, 3.5, 3.1] and big["held"] == 2
     assert big["holds"] is False and big["ratio_median"] == 3.1
     assert big["torch_hpcdp_busbw"] == 6.0 and big["gloo_busbw"] == 1.0
+    assert big["torch_hpcdp_time_s"] == 2e-4 and big["hpcdp_time_s"] == 1.0
 
 
 def _cluster(algo, t, native, link, placement="block"):

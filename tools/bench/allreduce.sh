@@ -12,7 +12,7 @@
 #       CALIBRATE=1 tools/bench/allreduce.sh .venv
 #
 # torch.distributed over the "hpcdp" backend against gloo (docs/torch-distributed.md):
-#   OUT=out/backend NPS=2 SIZES=1m,16m,64m,256m EXTRA=--backend-compare tools/bench/allreduce.sh
+#   OUT=out/backend NPS=2 SIZES=4k,64k,1m,16m,64m,256m EXTRA=--backend-compare tools/bench/allreduce.sh
 #
 # Writes one JSON line per size and round to $OUT/allreduce-<mpi>-np<N>.jsonl (field
 # "round"), then the summary of every point over the rounds (tools/bench/rounds.py) to

@@ -43,7 +43,8 @@ def backend_bound(nbytes: int) -> float | None:
 # what each summary relates: the ratio field, its bound, the medians it also reports
 NATIVE = ("allreduce-rounds", "ratio", bound, ("hpcdp_time_s", "native_time_s"))
 BACKEND = ("backend-allreduce-rounds", "ratio_torch_hpcdp_to_gloo", backend_bound,
-           ("torch_hpcdp_busbw", "gloo_busbw", "native_busbw", "hpcdp_busbw"))
+           ("torch_hpcdp_busbw", "gloo_busbw", "native_busbw", "hpcdp_busbw", "torch_hpcdp_time_s",
+            "hpcdp_time_s"))
 
 
 def summarise(records: list[dict], kind=NATIVE) -> list[dict]:

@@ -223,7 +223,7 @@ SPECS = {
     },
     "backend-allreduce": {
         "file": "backend-allreduce.jsonl",
-        "command": "OUT=out/backend ROUNDS=5 NPS=2 SIZES=1m,16m,64m,256m EXTRA=--backend-compare "
+        "command": "OUT=out/backend ROUNDS=5 NPS=2 SIZES=4k,64k,1m,16m,64m,256m EXTRA=--backend-compare "
                    "tools/bench/allreduce.sh .venv .venv-ompi && "
                    "cp out/backend/allreduce-rounds.jsonl docs/results/backend-allreduce.jsonl",
         "where": {"bench": "backend-allreduce-rounds"},
@@ -231,6 +231,8 @@ SPECS = {
             ("dist.all_reduce over hpcdp (GB/s)", "torch_hpcdp_busbw", "num1"),
             ("over gloo (GB/s)", "gloo_busbw", "num1"), ("MPI_Allreduce (GB/s)", "native_busbw", "num1"),
             ("hpcdp.allreduce, numpy (GB/s)", "hpcdp_busbw", "num1"),
+            ("dist.all_reduce over hpcdp (us)", "torch_hpcdp_time_s", "us"),
+            ("hpcdp.allreduce, numpy (us)", "hpcdp_time_s", "us"),
             ("hpcdp / gloo, median", "ratio_median", "ratio"), ("every round", "ratios", "ratios")]
             + _ROUNDS_HELD,
     },
