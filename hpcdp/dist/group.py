@@ -102,14 +102,14 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         if not tensors:
             return completed([])
         flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-        work = self._allreduce(flat, _op_name(opts), "allreduce_coalesced", [flat])
+        work = self._allreduce(flat, _op_name(opts), "allreduce_coalesced", [flat], opts)
         return work.then(lambda: _unpack(flat, tensors), tensors)
 
     def reduce(self, tensors, opts=None):
         """``root`` gets the reduction; the other ranks' tensors are left as they were."""
         t = _one(tensors, "reduce", self._rank)
         target = t if self._rank == opts.rootRank else t.detach().clone()
-        work = self._allreduce(target, _op_name(opts), "reduce", [target])
+        work = self._allreduce(target, _op_name(opts), "reduce", [target], opts)
         return work if target is t else work.then(None, tensors)
 
     def reduce_scatter_single(self, output, input, opts=None):
@@ -174,7 +174,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         outs = _one(output_tensors, "allgather", self._rank)
         t = _one(input_tensors, "allgather", self._rank)
         flat = torch.empty(self._size * t.numel(), dtype=t.dtype, device=t.device)
-        work = self.all_gather_single(flat, t.detach().reshape(-1))
+        work = self.all_gather_single(flat, t.detach().reshape(-1), opts)
         return work.then(lambda: _unpack(flat, outs), output_tensors)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
@@ -198,7 +198,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype,
                                device=flat_in.device)
         work = self.all_to_all_single(flat_out, flat_in, [t.numel() for t in output_tensors],
-                                      [t.numel() for t in input_tensors])
+                                      [t.numel() for t in input_tensors], opts)
         return work.then(lambda: _unpack(flat_out, output_tensors), output_tensors)
 
     def gather(self, output_tensors, input_tensors, opts=None):
