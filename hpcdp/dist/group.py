@@ -85,11 +85,13 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
     def _allreduce(self, t, op: str, call: str, value, opts=None):
         ctx = self._ctx()
         if op in ("SUM", "AVG") and _ours(t):  # hpcdp's allreduce, on host or device memory
-            buf = as_buffer(t.detach(), call)
+            staged = ops.Staged()  # (a strided tensor: a contiguous copy, written back, as gloo)
+            buf = as_buffer(staged.contiguous(t).detach(), call)
             opcode = _parse_op(op.lower(), buf)
             algo = _pick_algo(self.rt, None, buf, None) if self.whole else "ring"
-            return submit(self, _allreduce_gen(self.rt, ctx, buf, opcode, True, False, None, None,
-                                               algo), call, value, ctx.where, _blocking(opts))
+            return self._submit(call, staged, value, ctx.where,
+                                _allreduce_gen(self.rt, ctx, buf, opcode, True, False, None, None,
+                                               algo), opts=opts)
         _fold_check(op, t, call, self._rank)
         staged = ops.Staged()
         h = staged.host(t)

@@ -77,8 +77,8 @@ def op_code(name: str) -> int:
 
 
 class Staged:
-    """Host byte views of tensors, with the copies back to CUDA or strided tensors done
-    by :meth:`finish` (the end of the operation)."""
+    """Host byte views (or contiguous copies) of tensors, with the copies back to CUDA or
+    strided tensors done by :meth:`finish` (the end of the operation)."""
 
     def __init__(self):
         self._back = []
@@ -91,6 +91,15 @@ class Staged:
         h = t.detach().contiguous().cpu()
         self._back.append((t, h))
         return h
+
+    def contiguous(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself if it is contiguous, else a contiguous copy on its device that
+        :meth:`finish` writes back into ``t``."""
+        if t.is_contiguous():
+            return t
+        c = t.detach().contiguous()
+        self._back.append((t, c))
+        return c
 
     def finish(self) -> None:
         for t, h in self._back:

@@ -46,6 +46,26 @@ def test_allreduce_avg(pg, dtype):
     torch.testing.assert_close(x.double(), everyone(size, 37, dtype).mean(0), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("async_op", [False, True])
+def test_allreduce_of_a_strided_tensor(pg, async_op):
+    """A non-contiguous tensor (a transposed view, as gloo takes it): reduced through a
+    contiguous copy written back into it, SUM and AVG."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    base = data(rank, 35, torch.float32).view(5, 7)
+    x = base.t()
+    assert not x.is_contiguous()
+    work = dist.all_reduce(x, async_op=async_op)
+    if async_op:
+        work.wait()
+    assert torch.equal(base, everyone(size, 35, torch.float32).sum(0).float().view(5, 7))
+    y = data(rank, 35, torch.float64).view(5, 7).t()
+    dist.all_reduce(y, op=dist.ReduceOp.AVG, async_op=async_op)
+    if async_op:
+        dist.barrier()
+    expected = everyone(size, 35, torch.float64).mean(0).view(5, 7).t()
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("op, fold", [("MIN", "amin"), ("MAX", "amax"), ("PRODUCT", "prod")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_allreduce_min_max_product(pg, op, fold, dtype):
