@@ -4,10 +4,12 @@ hpcdp's progress engine.
 One group is one MPI communicator (a duplicate of the job's for the default group, a
 communicator made by the members for ``dist.new_group``) with a tag counter of its
 own, plus a second communicator for ``send``/``recv`` so that user tags never meet
-the ring's. Every call returns at once with a Work: the operation queues on the
-engine (in call order, behind hpcdp's own), the progress thread drives it and
-completes the Work's future with the output tensors, or with the error naming the
-rank and the call. Calls torch has but hpcdp does not raise ``NotImplementedError``.
+the ring's. A call torch waits for at once (``opts.asyncOp`` False) runs right away and
+returns a done Work; any other call returns at once with a Work: the operation queues on
+the engine (in call order, behind hpcdp's own), the progress thread drives it and the
+Work's future is completed with the output tensors, or with the error naming the rank
+and the call (see :mod:`hpcdp.dist.work`). Calls torch has but hpcdp does not raise
+``NotImplementedError``.
 """
 from __future__ import annotations
 
