@@ -95,6 +95,12 @@ class Work(dist._Work):
     def get_future(self):
         return self._future
 
+    def result(self):
+        """The output tensors (as gloo's Work gives them), once the operation is done;
+        raises its error."""
+        self.wait()
+        return self._future.value()
+
     def is_completed(self) -> bool:
         return self._future.done()
 

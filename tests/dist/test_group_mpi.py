@@ -99,6 +99,7 @@ def test_async_work_and_future(pg):
         w.wait()
         assert torch.equal(xs[k], torch.full((100 + k,), float(sum(range(size)) + k * size)))
     assert torch.equal(doubled.wait(), xs[1] * 2)
+    assert works[2].result()[0] is xs[2]  # (gloo's Work gives the outputs too)
 
 
 def test_callback_may_wait_for_another_collective(pg):
