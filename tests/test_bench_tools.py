@@ -140,3 +140,26 @@ def test_validation_predicts_each_round_with_its_own_calibration():
     assert ring["error"] == pytest.approx(0) and ring["within"] is True and ring["rounds"] == 2
     (one,) = [r for r in validate.validate(lines, quiet, quiet, cores=2) if r["algo"] == "ring"]
     assert one["error"] < -0.25 and one["within"] is False
+
+
+def test_validation_uses_the_first_five_quiet_rounds():
+    """Rounds whose native reference call took over twice the fastest round's are slow: a
+    one-node point is the median of its first five quiet rounds, the slow ones counted."""
+    from hpcdp.comm import costmodel
+    native = {1: 1.0, 2: 4.5, 3: 1.1, 4: 0.9, 5: 4.0, 6: 1.2, 7: 1.0, 8: 1.0}
+    lines = [dict(_line(MiB, 1.0, r), native_time_s=t * 1e-4, ring_time_s=r * 1e-4)
+             for r, t in native.items()]
+    lines += [dict(_line(4 * KiB, 1.0, r), native_time_s=1e-5, ring_time_s=r * 1e-5)
+              for r in native]  # (the reference is the largest size up to 1 MiB)
+    lines += [dict(_line(MiB, 1.0, r, np_=1), native_time_s=1e-6, ring_time_s=r * 1e-6)
+              for r in native]
+    assert validate.slow_rounds(lines, cores=2) == {2: {2, 5}}
+    assert validate.slow_rounds(lines, cores=1) == {}  # (two ranks on one core: unclassified)
+    rows = {(r["ranks_per_node"], r["algo"], r["bytes"]): r
+            for r in validate.validate(lines, costmodel.DEFAULTS, costmodel.DEFAULTS, cores=2)}
+    ring = rows[(2, "ring", MiB)]
+    assert ring["rounds"] == 5 and ring["slow_rounds"] == 2
+    assert ring["measured_s"] == pytest.approx(4e-4)  # median of rounds 1, 3, 4, 6, 7
+    assert rows[(2, "ring", 4 * KiB)]["slow_rounds"] == 2
+    one = rows[(1, "ring", MiB)]
+    assert one["rounds"] == 5 and one["slow_rounds"] == 0 and one["measured_s"] == pytest.approx(3e-6)

@@ -22,11 +22,20 @@ node's constants and, for cluster points, ``alpha_inter`` from ``--cluster-calib
 with the calibration taken just before them, in the same state of the machine (lines
 without a round, the cluster's, take round 1's).
 
+Quiet rounds only: this VM has a quiet and a slow state (4-5x on shared memory), and a
+round on one node with two ranks or more (up to ``--cores``) is **slow** at that number of
+ranks when its native ``MPI_Allreduce`` of the reference size (the largest measured size up
+to 1 MiB) took more than ``SLOW`` (2) times the fastest round's. A one-node point is the
+first ``QUIET_ROUNDS`` (5) quiet rounds, in round order (one rank, or more ranks than
+cores: the first five, nothing classified); slow ones are counted, not used. Lines without a round, and the cluster's (bound
+by their shaped link), keep every round.
+
 One JSON line per (configuration, algorithm, size): ``measured_s`` and ``predicted_s``
-(medians over rounds), ``error`` (the median over rounds of the round's prediction / its
-measurement - 1), ``bound`` (the ranks summed over all nodes do not exceed ``--cores``, this
-machine's by default: only those points are held to ``|error| <= 0.25``) and ``within``
-(null where unbound).
+(medians over the rounds used), ``error`` (the median over those rounds of the round's
+prediction / its measurement - 1), ``rounds`` (used) and ``slow_rounds`` (left out),
+``bound`` (the ranks summed over all nodes do not exceed ``--cores``, this machine's by
+default: only those points are held to ``|error| <= 0.25``) and ``within`` (null where
+unbound).
 """
 from __future__ import annotations
 
@@ -42,6 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from hpcdp.comm import costmodel  # noqa: E402  (standard library only)
 
 BOUND = 0.25
+#: a round is slow at a number of ranks when its native reference call took more than this
+#: many times the fastest round's (the slow state is 4-5x; a round's jitter stays below 2x)
+SLOW = 2.0
+#: quiet rounds a one-node point is the median of
+QUIET_ROUNDS = 5
+_REFERENCE_MAX = 1 << 20
 _RATE_UNITS = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8}
 
 
@@ -73,6 +88,30 @@ def points(records: list[dict]) -> dict:
     return out
 
 
+def slow_rounds(records: list[dict], cores: int) -> dict:
+    """``{ranks: {round, ...}}``: the rounds in the slow state at each number of ranks from 2
+    to ``cores`` on one node, by their native time at the reference size (see the module
+    docstring; with more ranks than cores, time-sharing alone moves that time by more)."""
+    ref: dict = {}
+    for r in records:
+        if r.get("bench") == "allreduce" and r.get("round") is not None \
+                and 2 <= r["np"] <= cores and r["bytes"] <= _REFERENCE_MAX:
+            ref.setdefault(r["np"], {}).setdefault(r["bytes"], {})[r["round"]] = r["native_time_s"]
+    out = {}
+    for ranks, by_size in ref.items():
+        times = by_size[max(by_size)]
+        fastest = min(times.values())
+        out[ranks] = {rnd for rnd, t in times.items() if t > SLOW * fastest}
+    return out
+
+
+def quiet(samples: list, slow: set) -> tuple[list, int]:
+    """The first :data:`QUIET_ROUNDS` samples ``(round, seconds)`` whose round is not in
+    ``slow``, in round order, and how many slow ones were left out."""
+    kept = sorted((s for s in samples if s[0] not in slow), key=lambda s: s[0])
+    return kept[:QUIET_ROUNDS], sum(s[0] in slow for s in samples)
+
+
 def predict(key: tuple, cal, cluster_cal) -> float:
     nodes, rpn, placement, rate, algo, nbytes, check = key
     topo = costmodel.Topology.uniform(nodes, rpn, placement)
@@ -88,9 +127,13 @@ def validate(records: list[dict], cal, cluster_cal, cores: int) -> list[dict]:
     """``cal``: one calibration, or ``{round: calibration}`` (lines without a round take the
     first round's)."""
     per_round = cal if isinstance(cal, dict) else {}
+    slow = slow_rounds(records, cores)
     out = []
     for key, samples in sorted(points(records).items(), key=lambda kv: tuple(map(str, kv[0]))):
         nodes, rpn, placement, rate, algo, nbytes, _ = key
+        left_out = 0
+        if nodes == 1 and all(rnd is not None for rnd, _ in samples):
+            samples, left_out = quiet(samples, slow.get(rpn, set()))
         pairs = [(predict(key, per_round.get(rnd, per_round[min(per_round)]) if per_round else cal,
                           cluster_cal), t) for rnd, t in samples]
         measured = statistics.median(t for _, t in pairs)
@@ -99,7 +142,8 @@ def validate(records: list[dict], cal, cluster_cal, cores: int) -> list[dict]:
         bound = nodes * rpn <= cores
         out.append({"bench": "model-validation", "nodes": nodes, "ranks_per_node": rpn,
                     "placement": placement, "rate": rate, "algo": algo, "bytes": nbytes,
-                    "rounds": len(pairs), "measured_s": measured, "predicted_s": predicted,
+                    "rounds": len(pairs), "slow_rounds": left_out, "measured_s": measured,
+                    "predicted_s": predicted,
                     "error": error, "bound": bound,
                     "within": abs(error) <= BOUND if bound else None})
     return out

@@ -168,6 +168,7 @@ SPECS = {
                    "> docs/results/model-validation.jsonl",
         "where": {"bench": "model-validation"},
         "columns": _POINT_COLUMNS + [
+            ("slow rounds left out", "slow_rounds", "int"),
             ("measured (us)", "measured_s", "us"), ("predicted (us)", "predicted_s", "us"),
             ("error", "error", "pct"), ("bound", "bound", "bool"), ("within 25 %", "within", "bool")],
     },
