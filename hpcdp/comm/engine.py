@@ -231,6 +231,13 @@ class Engine:
             while (self._running is not None or self._queue) and self._advance(block=False):
                 pass
 
+    def runs_for_its_waiter(self) -> bool:
+        """Whether an operation running on this thread runs for the caller that waits for
+        it: in thread mode every thread but the progress thread drives only its own
+        operation (:meth:`run`, or :meth:`Handle.wait` on an idle engine, inline); in poll
+        mode any caller's :meth:`progress` may drive anyone's."""
+        return self.mode == "thread" and threading.current_thread() is not self._thread
+
     def _wait_for(self, target: Handle):
         if self.mode == "poll":
             with self._lock:

@@ -155,9 +155,8 @@ def _completing(gen, done: Completion, value, rank: int, name: str, engine):
 
 def _hand_over(done: Completion, engine) -> None:
     """A completion thread delivers ``done`` unless this thread is the operation's waiter
-    (thread mode, not the progress thread: :meth:`Engine._wait_for` running it inline),
-    which delivers it in :meth:`Work.wait`."""
-    if engine.mode == "thread" and threading.current_thread() is not engine._thread:
+    (:meth:`Engine.runs_for_its_waiter`), which delivers it in :meth:`Work.wait`."""
+    if engine.runs_for_its_waiter():
         return
     _completer(engine).submit(done.deliver)
 

@@ -6,6 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from hpcdp.comm.engine import Engine  # noqa: E402
 from hpcdp.dist import work  # noqa: E402
 from hpcdp.errors import MismatchError  # noqa: E402
 
@@ -35,7 +36,7 @@ def test_a_failed_operation_fails_its_future_with_its_own_error():
         chained.wait()
 
 
-class _Engine:
+class _Engine(Engine):
     def __init__(self, mode, thread):
         self.mode, self._thread, self.thread_setup = mode, thread, None
 
