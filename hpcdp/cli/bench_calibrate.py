@@ -12,6 +12,8 @@ rank holds the same numbers; rank 0 prints one JSON line and writes the file (de
   model reads instead of the constants: ``p2p``, a Python-driven ``Sendrecv`` with the ring
   neighbours inside the node (only where every node has two ranks); ``copy``, ``np.copyto``;
   ``add``, ``np.add(a, b, out=a)`` over float32 (every rank at once, as in an allreduce);
+  ``native_add``, the same addition by the MPI library (``MPI_Reduce_local`` with ``MPI_SUM``),
+  which native allreduce algorithms add with;
 * from them: alpha_step (the 8-byte ``Sendrecv``), beta_intra (4 MiB / (time(4 MiB) -
   alpha_step)), beta_mem and gamma (the 4 MiB copy and addition);
 * the ``shared_copy``, ``shared_add`` and ``shared_write`` profiles (up to 4 MiB): the same
@@ -107,18 +109,21 @@ def _inner(nbytes: int) -> int:
 
 
 def _memory(world, MPI, reps: int, out: dict) -> None:
-    """The ``copy`` (``np.copyto``) and ``add`` (``np.add`` over float32) profiles, every
-    rank at once, and from them beta_mem and gamma over a segment."""
-    copies, adds = [], []
+    """The ``copy`` (``np.copyto``), ``add`` (``np.add`` over float32) and ``native_add``
+    (``MPI_Reduce_local``, ``MPI_SUM`` over float32) profiles, every rank at once, and from
+    the first two beta_mem and gamma over a segment."""
+    copies, adds, native_adds = [], [], []
     for nbytes in costmodel.PROFILE_SIZES:
         n = max(1, nbytes // 4)
         a, b = np.zeros(n, np.float32), np.full(n, 1e-3, np.float32)
         dst = np.zeros(n, np.float32)
         copy = _median(world, lambda: np.copyto(dst, b), reps, _inner(nbytes))
         add = _median(world, lambda: np.add(a, b, out=a), reps, _inner(nbytes))
+        native = _median(world, lambda: MPI.SUM.Reduce_local(b, a), reps, _inner(nbytes))
         copies.append([nbytes, world.allreduce(copy, op=MPI.MAX)])
         adds.append([nbytes, world.allreduce(add, op=MPI.MAX)])
-    out["copy"], out["add"] = copies, adds
+        native_adds.append([nbytes, world.allreduce(native, op=MPI.MAX)])
+    out["copy"], out["add"], out["native_add"] = copies, adds, native_adds
     out["beta_mem"] = SEGMENT / dict(copies)[SEGMENT]
     out["gamma"] = SEGMENT / dict(adds)[SEGMENT]
 

@@ -4,8 +4,8 @@ contrast): predicted seconds per call from a :class:`Topology` and measured cons
 
 Per message: alpha (latency) + bytes / beta (bandwidth); per reduction: bytes / gamma. Where
 the calibration holds measured profiles (times per size of a point-to-point exchange inside a
-node, of a copy and of a float32 addition: ``hpcdp-bench calibrate`` writes them), those three
-are read off the profiles instead (piecewise linear between the measured sizes, the largest
+node, of a copy and of a float32 addition, hpcdp's and the MPI library's own: ``hpcdp-bench
+calibrate`` writes them), those are read off the profiles instead (piecewise linear between the measured sizes, the largest
 one's rate beyond it), which sees per-call overheads and buffers that leave the cache. The
 model is a sum of dependent steps (no overlap between steps; the ring's segment pipelining
 inside a step is not modelled), each step as slow as its slowest link. A node's network link
@@ -32,8 +32,10 @@ ENV_VAR = "HPCDP_CALIBRATION"
 # one message of MPI's own C implementation inside a node (MPICH shared memory, a few us)
 NATIVE_ALPHA_INTRA = 2e-6
 #: the sizes hpcdp-bench calibrate profiles (bytes): tiny, in cache, and out of it
-PROFILE_SIZES = (8, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
-PROFILES = ("p2p", "copy", "add", "shared_copy", "shared_add", "shared_write")
+#: (16 and 32 KiB: the ring's chunks of a 64 KiB buffer at np = 4 and 2; an exchange's time is
+#: not linear between 4 and 64 KiB, here 5.9 us at 4 KiB, 9.2 at 8, 10.9 at 32, 14.9 at 64)
+PROFILE_SIZES = (8, 4 << 10, 16 << 10, 32 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+PROFILES = ("p2p", "copy", "add", "native_add", "shared_copy", "shared_add", "shared_write")
 SHM_SEGMENT = 4 << 20
 SHM_SMALL = 64 << 10
 ALGOS = ("ring", "shm", "two_level", "native_rd", "native_rsag", "native")
@@ -65,6 +67,10 @@ class Calibration:
     p2p: tuple = ()
     copy: tuple = ()
     add: tuple = ()
+    # the MPI library's own float32 addition (MPI_Reduce_local with MPI_SUM), which its
+    # allreduce adds with (MPICH's is not vectorised: 2.6-3.2x numpy's time here; Open
+    # MPI's 1.1-1.5x); empty: add's
+    native_add: tuple = ()
     # the same copy and addition reading a node window part another rank has just written
     # (its lines come from the writer's cache), and a copy into a rank's own part after
     # another rank read it (its lines are invalidated there first), up to a segment;
@@ -88,6 +94,11 @@ class Calibration:
     def t_add(self, n: float) -> float:
         """Seconds of one rank's float32 ``a += b`` over ``n`` bytes of ``b``."""
         return _read(self.add, n) if self.add else n / self.gamma
+
+    def t_native_add(self, n: float) -> float:
+        """Seconds of the MPI library's own float32 addition over ``n`` bytes (what native
+        allreduce algorithms add with); :meth:`t_add` where it was not measured."""
+        return _read(self.native_add, n) if self.native_add else self.t_add(n)
 
     def t_shared_copy(self, n: float) -> float:
         """Seconds of one rank's copy of ``n`` bytes out of a window part that another rank
@@ -397,26 +408,27 @@ def _pof2_split(topo: Topology, cal: Calibration, n: int) -> tuple:
     p2 = 1 << (p.bit_length() - 1)
     if p2 == p:
         return p, 0.0
-    return p2, 2 * _step(_pattern(topo, "fold"), cal, n, native=True) + cal.t_add(n)
+    return p2, 2 * _step(_pattern(topo, "fold"), cal, n, native=True) + cal.t_native_add(n)
 
 
 def _native_rd(n: int, topo: Topology, cal: Calibration) -> float:
     """MPI's recursive doubling (MPICH's choice for small buffers): the call (alpha_native),
     then round k = 0 .. log2(p) - 1: rank r exchanges the whole buffer with r xor 2^k and
-    adds it (a native message, :func:`_step`, and an addition of n); non-powers of two pay
+    adds it (a native message, :func:`_step`, and MPI's own addition of n,
+    :meth:`Calibration.t_native_add`); non-powers of two pay
     two more rounds (:func:`_pof2_split`)."""
     if topo.size == 1:
         return cal.alpha_native
     p2, t = _pof2_split(topo, cal, n)
     for k in range(p2.bit_length() - 1):
-        t += _step(_pattern(topo, "xor", k), cal, n, native=True) + cal.t_add(n)
+        t += _step(_pattern(topo, "xor", k), cal, n, native=True) + cal.t_native_add(n)
     return cal.alpha_native + t
 
 
 def _native_rsag(n: int, topo: Topology, cal: Calibration) -> float:
     """Rabenseifner (MPICH's choice for large buffers), after the call (alpha_native):
     1. reduce-scatter by recursive halving: round k = 0 .. log2(p) - 1 exchanges n / 2^(k+1)
-       bytes with r xor 2^k and adds them;
+       bytes with r xor 2^k and adds them (MPI's own addition);
     2. allgather by recursive doubling: the same rounds in reverse order, no addition.
     2 log2(p) rounds, 2(p-1)/p n bytes sent per rank; non-powers of two as in _native_rd."""
     if topo.size == 1:
@@ -424,7 +436,7 @@ def _native_rsag(n: int, topo: Topology, cal: Calibration) -> float:
     p2, t = _pof2_split(topo, cal, n)
     for k in range(p2.bit_length() - 1):
         part = n / (2 << k)
-        t += 2 * _step(_pattern(topo, "xor", k), cal, part, native=True) + cal.t_add(part)
+        t += 2 * _step(_pattern(topo, "xor", k), cal, part, native=True) + cal.t_native_add(part)
     return cal.alpha_native + t
 
 

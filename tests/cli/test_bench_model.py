@@ -109,8 +109,8 @@ def test_calibrate_measures_positive_constants_alike_on_every_rank(world, tmp_pa
     assert all(rec[f] > 0 for f in CONSTANTS if f not in may_be_zero)
     assert all(rec[f] >= 0 for f in may_be_zero)
     assert sorted(rec["measured"] + rec["defaults"]) == sorted(CONSTANTS + list(costmodel.PROFILES))
-    assert {"beta_mem", "gamma", "alpha_sync", "alpha_call", "alpha_native", "copy", "add"} <= set(
-        rec["measured"])
+    assert {"beta_mem", "gamma", "alpha_sync", "alpha_call", "alpha_native", "copy", "add",
+            "native_add"} <= set(rec["measured"])
     if rec["np"] > 1 and rec["nodes"] == 1:
         assert {"p2p", "alpha_check", "alpha_ring_step", "shared_copy", "shared_add",
                 "shared_write"} <= set(rec["measured"])

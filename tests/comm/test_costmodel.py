@@ -283,6 +283,22 @@ def test_profiles_replace_the_constants_in_the_formulas():
     assert predict("native", MIB, Topology.uniform(1, 1), cal) == cal.alpha_native
 
 
+def test_native_algorithms_add_at_the_mpi_librarys_own_speed_where_it_was_measured():
+    slow = dataclasses.replace(PROFILED, native_add=((8, 3e-6), (MIB, 180e-6)))
+    assert slow.t_native_add(MIB) == 180e-6 and PROFILED.t_native_add(MIB) == PROFILED.t_add(MIB)
+    two, three = Topology.uniform(1, 2), Topology.uniform(1, 3)
+    # recursive doubling adds n, Rabenseifner n/2 at p = 2; p = 3 folds a pair first (n more)
+    for algo, added in (("native_rd", [MIB]), ("native_rsag", [MIB / 2])):
+        extra = sum(slow.t_native_add(n) - slow.t_add(n) for n in added)
+        assert predict(algo, MIB, two, slow) == pytest.approx(predict(algo, MIB, two, PROFILED) + extra)
+        fold = slow.t_native_add(MIB) - slow.t_add(MIB)
+        assert predict(algo, MIB, three, slow) == pytest.approx(
+            predict(algo, MIB, three, PROFILED) + fold + extra)
+    # hpcdp's own algorithms add with numpy: unchanged
+    for algo in ("ring", "shm"):
+        assert predict(algo, MIB, two, slow) == predict(algo, MIB, two, PROFILED)
+
+
 def test_reads_of_another_ranks_writes_take_the_shared_profiles_never_below_own_memory():
     cal = PROFILED
     assert cal.t_shared_copy(MIB) == 80e-6 and cal.t_shared_add(MIB // 2) == pytest.approx(46e-6, rel=1e-4)
