@@ -286,11 +286,13 @@ def _shm_signature(rt, buf, op: int):
 
 
 def _fits_one_message(buf, size: int) -> bool:
-    return -(-buf.n // size) * buf.dtype.itemsize <= _cfg.segment_bytes
+    """Every chunk fits one message (one rank sends none: any buffer does)."""
+    return size == 1 or -(-buf.n // size) * buf.dtype.itemsize <= _cfg.segment_bytes
 
 
 def _one_message_ring(rt, ctx, buf, average: bool) -> None:
-    ring_allreduce_blocking(ctx, PlainFrames(buf, average, rt.size), rt.tmp(buf, -(-buf.n // rt.size)))
+    tmp = rt.tmp(buf, -(-buf.n // rt.size)) if rt.size > 1 else None  # (one rank receives nothing)
+    ring_allreduce_blocking(ctx, PlainFrames(buf, average, rt.size), tmp)
 
 
 def _device_of(buf) -> str:

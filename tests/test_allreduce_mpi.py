@@ -3,6 +3,8 @@
 Run with ``mpirun -np N python -m pytest --only-mpi tests`` for
 N = 1, 2, 3, 4. Every assertion holds on every rank.
 """
+import functools
+
 import numpy as np
 import pytest
 
@@ -88,6 +90,22 @@ def test_avg_is_owner_divided_and_identical(world, n):
     assert_identical_everywhere(world, x)
     expected = simulate(everyone, finish=lambda v: np.divide(v, size, out=v))[rank]
     assert x.tobytes() == expected.tobytes()
+
+
+def test_a_blocking_call_of_one_rank_is_one_plain_function_at_any_size(world, rt):
+    """One rank sends nothing: a blocking call larger than a segment runs as the one-message
+    ring (a plain function, no generator, no temporary of the buffer's size); with more ranks
+    a chunk larger than a segment takes the pipelined generator."""
+    from hpcdp import collectives
+    size = world.Get_size()
+    x = np.full(4 << 20, 3.0, np.float32)  # 16 MiB: chunks over a segment at np <= 4
+    rt._tmp.clear()
+    run, *_ = collectives._prepare_allreduce(rt, x, "avg", None, True, True, None, None, None, None)
+    assert (size == 1) == isinstance(run, functools.partial)
+    hpcdp.allreduce(x, op="avg")
+    assert np.all(x == 3.0)
+    if size == 1:
+        assert not rt._tmp
 
 
 def test_multidimensional_and_small_segments(world, monkeypatch):
