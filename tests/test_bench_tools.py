@@ -163,3 +163,32 @@ def test_validation_uses_the_first_five_quiet_rounds():
     assert rows[(2, "ring", 4 * KiB)]["slow_rounds"] == 2
     one = rows[(1, "ring", MiB)]
     assert one["rounds"] == 5 and one["slow_rounds"] == 0 and one["measured_s"] == pytest.approx(3e-6)
+
+
+def test_a_round_calibrated_in_the_slow_state_is_slow_too():
+    """The state may change between a round's calibration and its measurements: a round whose
+    calibration's shared_write of 1 MiB took over twice the fastest round's is left out at
+    every number of ranks from 2 to the cores, like a round whose measurement was slow."""
+    import dataclasses
+    from hpcdp.comm import costmodel
+    native = {1: 1.0, 2: 4.5, 3: 1.1, 4: 0.9, 5: 1.0, 6: 1.2, 7: 1.0}
+    lines = [dict(_line(MiB, 1.0, r), native_time_s=t * 1e-4, ring_time_s=r * 1e-4)
+             for r, t in native.items()]
+    lines += [dict(_line(MiB, 1.0, r, np_=1), native_time_s=1e-6, ring_time_s=r * 1e-6)
+              for r in native]
+    write = {r: 30e-6 for r in native} | {3: 420e-6, 6: 50e-6}  # round 3 calibrated slow
+    cals = {r: dataclasses.replace(costmodel.DEFAULTS, shared_write=((8, 1e-6), (MiB, t)))
+            for r, t in write.items()}
+    assert validate.slow_calibrations(cals) == {3}
+    assert validate.slow_calibrations({r: costmodel.DEFAULTS for r in native}) == set()  # none measured
+    assert validate.slow_rounds(lines, cores=2, per_round=cals) == {2: {2, 3}}
+    rows = {(r["ranks_per_node"], r["algo"], r["bytes"]): r
+            for r in validate.validate(lines, cals, costmodel.DEFAULTS, cores=2)}
+    ring = rows[(2, "ring", MiB)]
+    assert ring["rounds"] == 5 and ring["slow_rounds"] == 2
+    assert ring["measured_s"] == pytest.approx(5e-4)  # median of rounds 1, 4, 5, 6, 7
+    assert rows[(1, "ring", MiB)]["slow_rounds"] == 0  # (one rank: first five, unclassified)
+    # rounds 2 (measured slow) and 3 (calibrated slow) alone: no quiet round, a clear error
+    two = [ln for ln in lines if ln["round"] in (2, 3)]
+    with pytest.raises(ValueError, match="no quiet round at 2 ranks"):
+        validate.validate(two, cals, costmodel.DEFAULTS, cores=2)

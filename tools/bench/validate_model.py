@@ -25,7 +25,9 @@ without a round, the cluster's, take round 1's).
 Quiet rounds only: this VM has a quiet and a slow state (4-5x on shared memory), and a
 round on one node with two ranks or more (up to ``--cores``) is **slow** at that number of
 ranks when its native ``MPI_Allreduce`` of the reference size (the largest measured size up
-to 1 MiB) took more than ``SLOW`` (2) times the fastest round's. A one-node point is the
+to 1 MiB) took more than ``SLOW`` (2) times the fastest round's, or when the round's own
+calibration was taken in the slow state (its ``shared_write`` of 1 MiB took more than twice
+the fastest round's: the state can change between the two). A one-node point is the
 first ``QUIET_ROUNDS`` (5) quiet rounds, in round order (one rank, or more ranks than
 cores: the first five, nothing classified); slow ones are counted, not used. Lines without a round, and the cluster's (bound
 by their shaped link), keep every round.
@@ -88,10 +90,12 @@ def points(records: list[dict]) -> dict:
     return out
 
 
-def slow_rounds(records: list[dict], cores: int) -> dict:
+def slow_rounds(records: list[dict], cores: int, per_round: dict | None = None) -> dict:
     """``{ranks: {round, ...}}``: the rounds in the slow state at each number of ranks from 2
     to ``cores`` on one node, by their native time at the reference size (see the module
-    docstring; with more ranks than cores, time-sharing alone moves that time by more)."""
+    docstring; with more ranks than cores, time-sharing alone moves that time by more), and,
+    given ``per_round`` calibrations, the rounds whose calibration was taken in the slow
+    state (:func:`slow_calibrations`), at every such number of ranks."""
     ref: dict = {}
     for r in records:
         if r.get("bench") == "allreduce" and r.get("round") is not None \
@@ -102,7 +106,22 @@ def slow_rounds(records: list[dict], cores: int) -> dict:
         times = by_size[max(by_size)]
         fastest = min(times.values())
         out[ranks] = {rnd for rnd, t in times.items() if t > SLOW * fastest}
-    return out
+    bad = slow_calibrations(per_round or {})
+    return {ranks: rounds | bad for ranks, rounds in out.items()}
+
+
+def slow_calibrations(per_round: dict) -> set:
+    """The rounds whose calibration was taken in the slow state: its copy into a node window
+    part of the reference size (``shared_write``, which the slow state moves most: 15x here
+    against 2-4x for the other profiles) took over :data:`SLOW` times the fastest round's.
+    The state can change between a round's calibration and its measurements, and a round is
+    predicted from its own calibration."""
+    ref = {rnd: cal.t_shared_write(_REFERENCE_MAX) for rnd, cal in per_round.items()
+           if rnd is not None and cal.shared_write}
+    if not ref:
+        return set()
+    fastest = min(ref.values())
+    return {rnd for rnd, t in ref.items() if t > SLOW * fastest}
 
 
 def quiet(samples: list, slow: set) -> tuple[list, int]:
@@ -127,13 +146,16 @@ def validate(records: list[dict], cal, cluster_cal, cores: int) -> list[dict]:
     """``cal``: one calibration, or ``{round: calibration}`` (lines without a round take the
     first round's)."""
     per_round = cal if isinstance(cal, dict) else {}
-    slow = slow_rounds(records, cores)
+    slow = slow_rounds(records, cores, per_round)
     out = []
     for key, samples in sorted(points(records).items(), key=lambda kv: tuple(map(str, kv[0]))):
         nodes, rpn, placement, rate, algo, nbytes, _ = key
         left_out = 0
         if nodes == 1 and all(rnd is not None for rnd, _ in samples):
             samples, left_out = quiet(samples, slow.get(rpn, set()))
+            if not samples:
+                raise ValueError(f"no quiet round at {rpn} ranks on one node ({left_out} slow): "
+                                 "measure more rounds (ROUNDS=...) while the machine is quiet")
         pairs = [(predict(key, per_round.get(rnd, per_round[min(per_round)]) if per_round else cal,
                           cluster_cal), t) for rnd, t in samples]
         measured = statistics.median(t for _, t in pairs)
