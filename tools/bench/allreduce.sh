@@ -8,7 +8,7 @@
 #
 # The cost model's one-node measurements (tools/bench/validate_model.py), each round after
 # its own calibration ($OUT/calibration-round<R>.json, hpcdp-bench calibrate at np = 2):
-#   OUT=out/model ROUNDS=8 NPS="1 2 3 4 5 6 7 8" SIZES=4k,64k,1m,16m EXTRA="--algos ring,shm" \
+#   OUT=out/model ROUNDS=10 NPS="1 2 3 4 5 6 7 8" SIZES=4k,64k,1m,16m EXTRA="--algos ring,shm" \
 #       CALIBRATE=1 tools/bench/allreduce.sh .venv
 #
 # torch.distributed over the "hpcdp" backend against gloo (docs/torch-distributed.md):
