@@ -5,12 +5,12 @@ contrast): predicted seconds per call from a :class:`Topology` and measured cons
 Per message: alpha (latency) + bytes / beta (bandwidth); per reduction: bytes / gamma. Where
 the calibration holds measured profiles (times per size of a point-to-point exchange inside a
 node, of a copy and of a float32 addition, hpcdp's and the MPI library's own: ``hpcdp-bench
-calibrate`` writes them), those are read off the profiles instead (piecewise linear between the measured sizes, the largest
-one's rate beyond it), which sees per-call overheads and buffers that leave the cache. The
-model is a sum of dependent steps (no overlap between steps; the ring's segment pipelining
-inside a step is not modelled), each step as slow as its slowest link. A node's network link
-is shared by every message that leaves the node in the same step. Standard library only: no
-torch, no MPI, so it runs anywhere (``hpcdp-bench model``).
+calibrate`` writes them), those are read off the profiles instead (piecewise linear between
+the measured sizes, the largest one's rate beyond it), which sees per-call overheads and
+buffers that leave the cache. The model is a sum of dependent steps (no overlap between
+steps; the ring's segment pipelining inside a step is not modelled), each step as slow as its
+slowest link. A node's network link is shared by every message that leaves the node in the
+same step. Standard library only: no torch, no MPI, so it runs anywhere (``hpcdp-bench model``).
 
     cal = load()                                     # measured, or DEFAULTS
     topo = Topology.uniform(8, 4)                    # 8 nodes x 4 ranks, block placement

@@ -112,8 +112,8 @@ def slow_rounds(records: list[dict], cores: int, per_round: dict | None = None) 
 
 def slow_calibrations(per_round: dict) -> set:
     """The rounds whose calibration was taken in the slow state: its copy into a node window
-    part of the reference size (``shared_write``, which the slow state moves most: 15x here
-    against 2-4x for the other profiles) took over :data:`SLOW` times the fastest round's.
+    part of the reference size (``shared_write``, which the slow state moves most: 15x here,
+    the other profiles at most 5x) took over :data:`SLOW` times the fastest round's.
     The state can change between a round's calibration and its measurements, and a round is
     predicted from its own calibration."""
     ref = {rnd: cal.t_shared_write(_REFERENCE_MAX) for rnd, cal in per_round.items()
