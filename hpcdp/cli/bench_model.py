@@ -15,10 +15,17 @@ do not apply are skipped (``shm`` on more than one node); ``two_level`` on one n
 ``--ddp-params-mib`` one more line per (nodes, ranks per node, algorithm), ``"bench":
 "model-ddp"``: a DDP step whose buckets fill evenly over backward (costmodel.ddp_step).
 ``--png FILE`` plots predicted time against nodes (log-log), one panel per size.
+
+Your network on top of your node: ``hpcdp-bench calibrate`` on one node measures everything
+inside it; ``--link-gbit`` (each node's link, each direction) and ``--link-latency-us``
+(what a message between nodes adds) replace the calibration's ``beta_inter`` and
+``alpha_inter``, e.g. ``--link-gbit 100 --link-latency-us 2`` for 100 Gbit/s InfiniBand.
+The records' ``calibration`` then names the link too.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -47,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--calibration", metavar="FILE",
                     help=f"constants (default: ${costmodel.ENV_VAR}, else "
                          f"{costmodel.default_path()}, else the built-in defaults)")
+    ap.add_argument("--link-gbit", type=float, metavar="G",
+                    help="each node's network link, Gbit/s each direction (replaces beta_inter)")
+    ap.add_argument("--link-latency-us", type=float, metavar="US",
+                    help="what a message between nodes adds, us (replaces alpha_inter)")
     ap.add_argument("--ddp-params-mib", type=float, help="also model a DDP step of this many MiB")
     ap.add_argument("--bucket-mib", type=float, default=25.0, help="DDP bucket size (MiB)")
     ap.add_argument("--backward-s", type=float, default=0.2, help="DDP backward seconds")
@@ -108,6 +119,20 @@ def _ddp_records(args, cal) -> list[dict]:
     return out
 
 
+def _with_link(cal, gbit, latency_us):
+    """``cal`` with the network link given on the command line, if any, named in its source."""
+    if gbit is None and latency_us is None:
+        return cal
+    if (gbit is not None and not gbit > 0) or (latency_us is not None and not latency_us >= 0):
+        raise SystemExit(f"hpcdp-bench model: --link-gbit must be > 0 and --link-latency-us >= 0, "
+                         f"got {gbit} and {latency_us}")
+    link = dict(beta_inter=cal.beta_inter if gbit is None else gbit * 1e9 / 8,
+                alpha_inter=cal.alpha_inter if latency_us is None else latency_us * 1e-6)
+    words = ([] if gbit is None else [f"{gbit:g} Gbit/s"]) + \
+        ([] if latency_us is None else [f"{latency_us:g} us"])
+    return dataclasses.replace(cal, **link, source=f"{cal.source}, link {', '.join(words)}")
+
+
 def _human(nbytes: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10)):
         if nbytes >= size:
@@ -148,7 +173,7 @@ def main(argv=None) -> int:
         print(f"hpcdp-bench model: unknown algorithm(s) {', '.join(bad)} "
               f"(known: {', '.join(costmodel.ALGOS)}, auto)", file=sys.stderr)
         return 2
-    cal = _calibration(args.calibration)
+    cal = _with_link(_calibration(args.calibration), args.link_gbit, args.link_latency_us)
     records = _records(args, cal)
     for rec in records:
         print(json.dumps(rec))

@@ -1,5 +1,6 @@
 """``hpcdp-bench model`` (serial, no MPI: the records, the DDP lines, the plot) and
 ``hpcdp-bench calibrate`` (MPI-marked: measured constants, the same on every rank)."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -70,6 +71,26 @@ def test_model_refuses_unknown_algorithms_and_missing_files(no_calibration, caps
     bad.write_text('{"gamma": 1}')
     with pytest.raises(SystemExit, match="missing field"):
         bench_model.main(["--calibration", str(bad)])
+
+
+def test_model_takes_a_network_link_on_top_of_the_calibration(no_calibration, capsys):
+    args = ["--nodes", "8", "--ranks-per-node", "4", "--sizes", "25m", "--algos", "ring,two_level"]
+    assert bench_model.main(args) == 0
+    base = _records(capsys.readouterr().out)
+    assert bench_model.main(args + ["--link-gbit", "100", "--link-latency-us", "2"]) == 0
+    fast = _records(capsys.readouterr().out)
+    ib = dataclasses.replace(costmodel.DEFAULTS, beta_inter=12.5e9, alpha_inter=2e-6)
+    topo = costmodel.Topology.uniform(8, 4)
+    for b, f in zip(base, fast):
+        assert f["time_s"] == pytest.approx(costmodel.predict(f["algo"], 25 << 20, topo, ib))
+        assert f["time_s"] < b["time_s"] / 5  # (the default link is 1 Gbit/s)
+        assert f["calibration"] == "defaults, link 100 Gbit/s, 2 us"
+    assert bench_model.main(args + ["--link-latency-us", "0"]) == 0  # only the latency replaced
+    (r, _) = _records(capsys.readouterr().out)
+    assert r["time_s"] == pytest.approx(costmodel.predict(
+        "ring", 25 << 20, topo, dataclasses.replace(costmodel.DEFAULTS, alpha_inter=0.0)))
+    with pytest.raises(SystemExit, match="--link-gbit must be > 0"):
+        bench_model.main(args + ["--link-gbit", "0"])
 
 
 def test_model_png(no_calibration, capsys):
