@@ -29,8 +29,8 @@ to 1 MiB) took more than ``SLOW`` (2) times the fastest round's, or when the rou
 calibration was taken in the slow state (its ``shared_write`` of 1 MiB took more than twice
 the fastest round's: the state can change between the two). A one-node point is the
 first ``QUIET_ROUNDS`` (5) quiet rounds, in round order (one rank, or more ranks than
-cores: the first five, nothing classified); slow ones are counted, not used. Lines without a round, and the cluster's (bound
-by their shaped link), keep every round.
+cores: the first five, nothing classified); slow ones are counted, not used. Lines without
+a round, and the cluster's (bound by their shaped link), keep every round.
 
 One JSON line per (configuration, algorithm, size): ``measured_s`` and ``predicted_s``
 (medians over the rounds used), ``error`` (the median over those rounds of the round's
@@ -101,13 +101,8 @@ def slow_rounds(records: list[dict], cores: int, per_round: dict | None = None) 
         if r.get("bench") == "allreduce" and r.get("round") is not None \
                 and 2 <= r["np"] <= cores and r["bytes"] <= _REFERENCE_MAX:
             ref.setdefault(r["np"], {}).setdefault(r["bytes"], {})[r["round"]] = r["native_time_s"]
-    out = {}
-    for ranks, by_size in ref.items():
-        times = by_size[max(by_size)]
-        fastest = min(times.values())
-        out[ranks] = {rnd for rnd, t in times.items() if t > SLOW * fastest}
     bad = slow_calibrations(per_round or {})
-    return {ranks: rounds | bad for ranks, rounds in out.items()}
+    return {ranks: _slow(by_size[max(by_size)]) | bad for ranks, by_size in ref.items()}
 
 
 def slow_calibrations(per_round: dict) -> set:
@@ -116,12 +111,14 @@ def slow_calibrations(per_round: dict) -> set:
     the other profiles at most 5x) took over :data:`SLOW` times the fastest round's.
     The state can change between a round's calibration and its measurements, and a round is
     predicted from its own calibration."""
-    ref = {rnd: cal.t_shared_write(_REFERENCE_MAX) for rnd, cal in per_round.items()
-           if rnd is not None and cal.shared_write}
-    if not ref:
-        return set()
-    fastest = min(ref.values())
-    return {rnd for rnd, t in ref.items() if t > SLOW * fastest}
+    return _slow({rnd: cal.t_shared_write(_REFERENCE_MAX) for rnd, cal in per_round.items()
+                  if rnd is not None and cal.shared_write})
+
+
+def _slow(times: dict) -> set:
+    """The rounds of ``{round: seconds}`` that took over :data:`SLOW` times the fastest."""
+    fastest = min(times.values(), default=0.0)
+    return {rnd for rnd, t in times.items() if t > SLOW * fastest}
 
 
 def quiet(samples: list, slow: set) -> tuple[list, int]:
