@@ -56,8 +56,11 @@ class _Runtime:
             self.hostname = f"{self.hostname}/fake{fake}"
         self.local_rank = self.local.Get_rank()
         self.local_size = self.local.Get_size()
-        self.hostnames = self.comm.allgather(self.hostname)
+        across = os.environ.get("HPCDP_ACROSS") or "auto"
+        everyone = self.comm.allgather((self.hostname, across))
+        self.hostnames = [host for host, _ in everyone]
         self.nodes = _nodes(self.hostnames)
+        self.across = _agreed_across(self.rank, [a for _, a in everyone])
         self.algo = os.environ.get("HPCDP_ALGO") or "auto"
         from .comm.shm import SHM_CAPACITY
         self.shm_bytes = int(os.environ.get("HPCDP_SHM_BYTES", SHM_CAPACITY))  # a segment
@@ -162,6 +165,20 @@ class _Runtime:
             algo = self._auto[nbytes] = choose(nbytes, self.topology(), self.calibration, available)
         return algo
 
+    def across_kind(self, nbytes: int) -> str:
+        """Two-level's stage across nodes for a slice of ``nbytes``: ``$HPCDP_ACROSS``, or
+        with ``auto`` the cost model's fastest (:func:`hpcdp.comm.costmodel.choose_across`)
+        with rank 0's calibration, so every rank of a cross communicator picks the same."""
+        if self.across != "auto":
+            return self.across
+        how = self._auto.get(("across", nbytes))
+        if how is None:
+            from .comm.costmodel import choose_across
+            slices = min(len(ranks) for ranks in self.nodes)  # (as cross(), without the collective)
+            how = self._auto[("across", nbytes)] = choose_across(nbytes, len(self.nodes), slices,
+                                                                 self.calibration)
+        return how
+
     def release(self) -> None:
         """Free the shared windows and the cross-node communicators (collective: every rank
         calls it, from :func:`finalize` or at exit). MPI must not be finalised with a window
@@ -235,6 +252,22 @@ def _nodes(hostnames: list) -> list[list[int]]:
     for r, host in enumerate(hostnames):
         nodes.setdefault(host, []).append(r)
     return list(nodes.values())
+
+
+def _agreed_across(rank: int, values: list) -> str:
+    """``HPCDP_ACROSS`` as every rank set it: ``auto`` or one of two-level's stages across
+    nodes; the same on every rank (else the ranks of a stage would run different
+    algorithms and hang), an error on every rank otherwise."""
+    from .comm.costmodel import ACROSS
+    bad = sorted({v for v in values if v != "auto" and v not in ACROSS})
+    if bad:
+        raise ValueError(f"rank {rank}: HPCDP_ACROSS must be auto, {', '.join(ACROSS)}; "
+                         f"got {bad[0]!r} on rank {values.index(bad[0])}")
+    if len(set(values)) > 1:
+        raise ValueError(f"rank {rank}: HPCDP_ACROSS differs between ranks (rank 0: {values[0]!r}, "
+                         f"rank {next(r for r, v in enumerate(values) if v != values[0])}: "
+                         f"{next(v for v in values if v != values[0])!r}): set it alike for the job")
+    return values[0]
 
 
 def _shared_calibration(comm, rank: int):
@@ -434,8 +467,20 @@ def info() -> dict:
         "algo": rt.algo,
         "auto_picks": {label: rt.auto_algo(nbytes) for label, nbytes in
                        (("64KiB", 64 << 10), ("1MiB", 1 << 20), ("25MiB", 25 << 20))},
+        "across": rt.across,
+        "across_picks": _across_picks(rt),
         "calibration": rt.calibration.source,
     }
+
+
+def _across_picks(rt) -> dict:
+    """two_level's stage across nodes for the first segment's slice of 64 KiB, 1 MiB and
+    25 MiB (empty on one node)."""
+    if len(rt.nodes) == 1:
+        return {}
+    slices = min(len(ranks) for ranks in rt.nodes)
+    return {label: rt.across_kind(-(-min(nbytes, rt.shm_bytes) // slices)) for label, nbytes in
+            (("64KiB", 64 << 10), ("1MiB", 1 << 20), ("25MiB", 25 << 20))}
 
 
 def finalize() -> None:

@@ -23,7 +23,7 @@ from .comm.nodewin import node_round
 from .comm.shm import shm_allreduce, shm_allreduce_blocking
 from .comm.spaces import space_for
 from .comm.lowrank import lowrank_allreduce
-from .comm.twolevel import (StepTally, codec_across, ring_across, slice_elements, two_level_allreduce,
+from .comm.twolevel import (StepTally, codec_across, plain_across, slice_elements, two_level_allreduce,
                             twophase_across)
 from .comm.twophase import twophase_allreduce
 from .comm.waiting import drive
@@ -194,9 +194,9 @@ def _two_level_gen(rt, ctx, window, buf, average: bool, comp=None, state=None):
 
 def _across(rt, cross, window, buf, comp, state, slices: int):
     """This rank's two-level stage across nodes (see :mod:`hpcdp.comm.twolevel`)."""
-    if comp is None:
-        return functools.partial(ring_across, cross, buf, rt.size,
-                                 rt.tmp(buf, _slots(buf.dtype.itemsize)), _cfg)
+    if comp is None:  # (the ring's slots, or a whole slice for doubling and halving)
+        tmp = rt.tmp(buf, max(_slots(buf.dtype.itemsize), slice_elements(window, buf, slices)))
+        return functools.partial(plain_across, cross, buf, rt.size, tmp, _cfg, rt.across_kind)
     if comp.collective == "two_phase":
         return functools.partial(twophase_across, cross, comp, state, buf.ops, rt.size)
     wire_dtype = np.dtype(comp.wire_dtype)
@@ -332,8 +332,9 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     phases) as ``on_step(index, t0_ns, t1_ns, bytes_sent, bytes_recv)``, times
     from ``time.perf_counter_ns`` (what level-2 traces record). ``algo``: ``"ring"``,
     ``"shm"`` (every rank on one node: reduced through the node's shared memory, see
-    :mod:`hpcdp.comm.shm`), ``"two_level"`` (shared memory inside nodes, one ring per
-    local rank across nodes, see :mod:`hpcdp.comm.twolevel`) or ``"auto"`` (the cost
+    :mod:`hpcdp.comm.shm`), ``"two_level"`` (shared memory inside nodes, one stage
+    per local rank across nodes: the ring, recursive doubling or halving-doubling as
+    ``$HPCDP_ACROSS`` or the cost model picks, see :mod:`hpcdp.comm.twolevel`) or ``"auto"`` (the cost
     model's pick for the size and topology, see :mod:`hpcdp.comm.costmodel`); default
     ``$HPCDP_ALGO`` or ``"auto"``. It applies to host buffers; device buffers keep the
     ring. Compression composes with ``"two_level"``: fp16, bf16 and 1-bit compress its

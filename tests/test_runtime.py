@@ -175,3 +175,26 @@ def test_kernel_threads_split_the_cpus_among_the_ranks_that_share_them(given):
         else:
             assert threads == max(1, cpus // 2) and "shared by 2 rank(s)" in how, how
             assert pool == current == threads
+
+
+def test_hpcdp_across_must_be_known_and_the_same_on_every_rank():
+    """(What every rank's init checks on the values all ranks set: a typo or a rank that
+    differs would leave a cross-node stage running two algorithms, a hang.)"""
+    from hpcdp._runtime import _agreed_across
+    assert _agreed_across(1, ["auto", "auto"]) == "auto"
+    assert _agreed_across(0, ["halving"] * 3) == "halving"
+    with pytest.raises(ValueError, match=r"rank 1: HPCDP_ACROSS must be auto, ring, doubling, "
+                                         r"halving; got 'tree' on rank 2"):
+        _agreed_across(1, ["ring", "ring", "tree"])
+    with pytest.raises(ValueError, match=r"rank 0: HPCDP_ACROSS differs between ranks \(rank 0: "
+                                         r"'ring', rank 1: 'doubling'\)"):
+        _agreed_across(0, ["ring", "doubling"])
+
+
+def test_info_names_the_stage_across_nodes_on_pretend_nodes():
+    p = run_mpi(2, ["-m", "hpcdp.info"], timeout=60,
+                env={"HPCDP_FAKE_NODES": "1,1", "HPCDP_ACROSS": "halving"})
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout[p.stdout.index("{"):])
+    assert info["nodes"] == 2 and info["across"] == "halving"
+    assert info["across_picks"] == {"64KiB": "halving", "1MiB": "halving", "25MiB": "halving"}

@@ -40,6 +40,8 @@ SHM_SEGMENT = 4 << 20
 SHM_SMALL = 64 << 10
 ALGOS = ("ring", "shm", "two_level", "native_rd", "native_rsag", "native")
 HPCDP_ALGOS = ("ring", "shm", "two_level")
+#: two_level's stages across nodes (hpcdp.comm.twolevel)
+ACROSS = ("ring", "doubling", "halving")
 # latencies may be 0 (alpha_inter on one node); bandwidths and speeds must be > 0
 _MAY_BE_ZERO = ("alpha_step", "alpha_inter", "alpha_sync", "alpha_call", "alpha_check",
                 "alpha_ring_step")
@@ -371,19 +373,20 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
 
 def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGMENT,
                small: int = SHM_SMALL) -> float:
-    """Shared memory inside the nodes, rings between them (N nodes, Lmin = fewest ranks on a
+    """Shared memory inside the nodes, a stage across them (N nodes, Lmin = fewest ranks on a
     node; local ranks >= Lmin only contribute their data), per segment of ``segment`` bytes
     (the node window's capacity, as hpcdp.comm.twolevel does):
     1. reduce-scatter in every node: copy in, one flag round, local rank j < Lmin reduces
        slice j of n/Lmin from the node's L inputs (first one copied, the others added from
        their window parts: the shared profile);
-    2. local rank j runs a ring across the N nodes on slice j: 2(N-1) steps of
-       n/(Lmin N) bytes; the Lmin rings share each node's link, so a step costs
-       alpha_step + alpha_inter + Lmin chunk / beta_inter (+ an addition of chunk when reducing);
+    2. local rank j reduces slice j across the N nodes: the Lmin stages share each node's
+       link, and each takes the fastest of :data:`ACROSS` for its slice (:func:`across_time`,
+       as the runtime picks);
     3. allgather in the node: one flag round, every rank copies the result out of the
        owners' parts (the shared profile).
-    The byte terms add up to those of one segment of n; every further segment pays the flag
-    rounds and the ring's 2(N-1) latencies again. One node: :func:`_shm`."""
+    Copies and the node's additions are timed at the whole buffer's size, where its cache
+    residency is decided; every segment pays its flag rounds and its stage across nodes.
+    One node: :func:`_shm`."""
     N = topo.nodes
     if N == 1:
         return _shm(n, topo.size, cal, segment, small)
@@ -392,11 +395,53 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGM
     lmin, lmax = min(topo.ranks_per_node), max(topo.ranks_per_node)
     part = n / lmin
     scatter = cal.t_shared_write(n) + cal.t_copy(part) + (lmax - 1) * cal.t_shared_add(part)
-    chunk = n / (lmin * N)
-    ring = 2 * (N - 1) * lmin * chunk / cal.beta_inter + (N - 1) * cal.t_add(chunk)
     gather = cal.t_shared_copy(n)
-    latency = 2 * cal.alpha_sync + 2 * (N - 1) * (cal.t_p2p(0) + cal.alpha_ring_step + cal.alpha_inter)
-    return cal.alpha_call + scatter + ring + gather + math.ceil(n / segment) * latency
+    full, rest = divmod(n, segment)
+    across = full * _best_across(segment / lmin, N, lmin, cal) if full else 0.0
+    if rest:
+        across += _best_across(rest / lmin, N, lmin, cal)
+    return cal.alpha_call + scatter + gather + across + (full + bool(rest)) * 2 * cal.alpha_sync
+
+
+def across_time(how: str, part: float, nodes: int, lanes: int, cal: Calibration) -> float:
+    """Seconds of two_level's stage across ``nodes`` nodes (one of :data:`ACROSS`) on a slice
+    of ``part`` bytes, ``lanes`` such stages (one per local rank) sharing each node's link.
+    A message costs hpcdp's Python-driven step (``t_p2p(0) + alpha_ring_step``) plus
+    ``alpha_inter``, and ``lanes x bytes / beta_inter``:
+    ring: 2(N-1) steps of part/N and N-1 additions of part/N;
+    doubling: log2(N2) rounds of part, an addition each (N2: the largest power of two <= N);
+    halving: 2 log2(N2) rounds, round k of part / 2^(k+1) (+ an addition in the first half);
+    doubling and halving on N != N2: a fold and an unfold of part, one addition, besides."""
+    if nodes == 1 or part == 0:
+        return 0.0
+    alpha = cal.t_p2p(0) + cal.alpha_ring_step + cal.alpha_inter
+
+    def msg(b):
+        return alpha + lanes * b / cal.beta_inter
+    if how == "ring":
+        chunk = part / nodes
+        return 2 * (nodes - 1) * msg(chunk) + (nodes - 1) * cal.t_add(chunk)
+    if how not in ("doubling", "halving"):
+        raise ValueError(f"unknown stage across nodes {how!r} (known: {', '.join(ACROSS)})")
+    n2 = 1 << (nodes.bit_length() - 1)
+    t = 2 * msg(part) + cal.t_add(part) if n2 != nodes else 0.0
+    for k in range(n2.bit_length() - 1):
+        if how == "doubling":
+            t += msg(part) + cal.t_add(part)
+        else:
+            half = part / (2 << k)
+            t += 2 * msg(half) + cal.t_add(half)
+    return t
+
+
+def choose_across(part: int, nodes: int, lanes: int, cal: Calibration = DEFAULTS) -> str:
+    """The stage across nodes (of :data:`ACROSS`) with the lowest :func:`across_time` for a
+    slice of ``part`` bytes; ties go to the earlier one."""
+    return min(ACROSS, key=lambda how: (across_time(how, part, nodes, lanes, cal), ACROSS.index(how)))
+
+
+def _best_across(part: float, nodes: int, lanes: int, cal: Calibration) -> float:
+    return min(across_time(how, part, nodes, lanes, cal) for how in ACROSS)
 
 
 def _pof2_split(topo: Topology, cal: Calibration, n: int) -> tuple:
@@ -489,19 +534,30 @@ def choose(nbytes: int, topo: Topology, cal: Calibration = DEFAULTS,
     return min(cands, key=lambda a: (predict(a, nbytes, topo, cal), cands.index(a)))
 
 
-def link_bytes(algo: str, nbytes: int, topo: Topology) -> float:
+def link_bytes(algo: str, nbytes: int, topo: Topology, across: str = "ring") -> float:
     """Bytes through the busiest node link, each direction, in one allreduce: the flat ring
     sends 2(p-1)/p n times the number of its edges that leave the node (block placement: one,
-    cyclic: every rank's), two_level 2(N-1)/N n (its Lmin rings together). 0 on one node."""
+    cyclic: every rank's); two_level's Lmin stages together, by ``across`` (N nodes, N2 the
+    largest power of two <= N): the ring 2(N-1)/N n, halving 2(N2-1)/N2 n, doubling
+    log2(N2) n, and where N != N2 the nodes that fold a partner in send n more. 0 on one node."""
     if topo.nodes == 1 or nbytes == 0:
         return 0.0
     if algo == "ring":
         p = topo.size
         return 2 * (p - 1) * _pattern(topo, "ring")[1] * nbytes / p
-    if algo == "two_level":
-        N = topo.nodes
+    if algo != "two_level":
+        raise ValueError(f"link_bytes knows 'ring' and 'two_level', not {algo!r}")
+    N = topo.nodes
+    if across == "ring":
         return 2 * (N - 1) * nbytes / N
-    raise ValueError(f"link_bytes knows 'ring' and 'two_level', not {algo!r}")
+    n2 = 1 << (N.bit_length() - 1)
+    if across == "halving":
+        stage = 2 * (n2 - 1) * nbytes / n2
+    elif across == "doubling":
+        stage = (n2.bit_length() - 1) * nbytes
+    else:
+        raise ValueError(f"unknown stage across nodes {across!r} (known: {', '.join(ACROSS)})")
+    return stage + (nbytes if N != n2 else 0.0)
 
 
 def ddp_step(params_bytes: int, bucket_bytes: int, backward_s: float, forward_s: float,

@@ -11,12 +11,12 @@ slices (the ring's chunk bounds):
    the job's size first, so that no sum can overflow);
 2. flag round of the node;
 3. local rank ``k < S`` adds slice ``k`` of the node's inputs in place in its own part,
-   starting with its own and going round the node (intra-node reduce-scatter), then allreduces that partial sum with the same slice of
-   every other node over cross communicator ``k`` (hpcdp's ring: owner computes, so every
-   node ends with the same bits), divides by the job's size for an average, and writes
-   the result there; the ``S`` rings run in parallel, so each
-   node's link carries ``2 (nodes - 1) / nodes`` of the buffer, not the flat ring's
-   ``2 (p - 1) / p`` times the ranks whose ring edge leaves the node;
+   starting with its own and going round the node (intra-node reduce-scatter), then
+   allreduces that partial sum with the same slice of every other node over cross
+   communicator ``k`` (every node ends with the same bits), divides by the job's size for
+   an average, and writes the result there; the ``S`` stages run in parallel, so with the
+   ring each node's link carries ``2 (nodes - 1) / nodes`` of the buffer, not the flat
+   ring's ``2 (p - 1) / p`` times the ranks whose ring edge leaves the node;
 4. flag round of the node;
 5. every rank copies slice ``k`` out of local rank ``k``'s part (intra-node allgather).
 
@@ -28,7 +28,10 @@ Step 3's reduction across nodes is a pluggable stage (``across``: one of the ``*
 generators below with its leading arguments bound), so compression applies there only and
 the node's partial sums stay exact:
 
-* :func:`ring_across`: the plain ring (float32 and every other dtype);
+* :func:`plain_across`: no compression (every dtype), by the ring or, where the cost model
+  says it is faster for the slice's size, recursive doubling or halving-doubling
+  (:mod:`hpcdp.comm.doubling`: ``log2(nodes)`` rounds where the ring takes
+  ``2 (nodes - 1)`` steps);
 * :func:`codec_across`: a ring codec (fp16, bf16): each hop of the cross ring decodes,
   adds in float32 and re-encodes (:class:`~hpcdp.comm.ring.CodecFrames`, every partial sum
   scaled by ``1 / total`` for an average), and the owner's decoded frame is what every
@@ -47,6 +50,7 @@ copy out).
 from __future__ import annotations
 
 from .buffers import Buffer
+from .doubling import doubling_allreduce
 from .nodewin import node_round
 from .ring import CodecFrames, PlainFrames, ring_allreduce
 from .schedule import chunk_bounds
@@ -54,7 +58,7 @@ from .shm import HALF_DTYPES, copy_in, copy_out, reduce_in_ring_order, segment_e
 from .spaces import HOST
 from .twophase import twophase_allreduce
 
-__all__ = ["two_level_allreduce", "StepTally", "slice_elements", "ring_across", "codec_across",
+__all__ = ["two_level_allreduce", "StepTally", "slice_elements", "plain_across", "codec_across",
            "twophase_across"]
 
 
@@ -116,14 +120,20 @@ def _segment(ctx, window, slices, buf, lo, hi, average, total, across, tally, st
 
 
 # -- the stage across nodes (bind the leading arguments with functools.partial) -------------
-def ring_across(cross, buf, total: int, tmp, cfg, acc, start: int, scale: bool):
-    """Generator: the plain ring over ``acc`` (a slice of ``buf``'s dtype); ``tmp``, ``cfg``:
-    its receive slots and configuration."""
+def plain_across(cross, buf, total: int, tmp, cfg, pick, acc, start: int, scale: bool):
+    """Generator: ``acc`` (a slice of ``buf``'s dtype) summed across nodes by what
+    ``pick(nbytes)`` names: ``"ring"`` (``tmp``, ``cfg``: its receive slots and
+    configuration), ``"doubling"`` or ``"halving"`` (``tmp``: at least ``len(acc)``
+    elements). Every rank of ``cross`` holds a slice of the same length, so all pick alike."""
     n = len(acc)
     if cross.size > 1:
-        cross.at("two-level allreduce: ring across nodes")
-        frames = PlainFrames(Buffer(acc, n, buf.dtype, buf.ops, buf.name), False, cross.size)
-        yield from ring_allreduce(cross, n, frames, tmp, cfg, buf.dtype.itemsize)
+        how = pick(n * buf.dtype.itemsize)
+        cross.at(f"two-level allreduce: {how} across nodes")
+        if how == "ring":
+            frames = PlainFrames(Buffer(acc, n, buf.dtype, buf.ops, buf.name), False, cross.size)
+            yield from ring_allreduce(cross, n, frames, tmp, cfg, buf.dtype.itemsize)
+        else:
+            yield from doubling_allreduce(cross, acc, buf.ops, tmp, how)
     if scale:
         buf.ops.scale(acc, total)
 

@@ -34,8 +34,13 @@ def test_model_prints_one_record_per_case_that_applies(no_calibration, capsys):
     # 1 node: ring, shm, two_level (= shm), native; 8 nodes: no shm
     assert len(recs) == 2 * 2 * 4 + 2 * 2 * 3
     for r in recs:
-        assert set(r) == MODEL_FIELDS and r["bench"] == "model" and r["calibration"] == "defaults"
+        across = r["algo"] == "two_level" and r["nodes"] > 1  # (its stage across nodes)
+        assert set(r) == MODEL_FIELDS | ({"across"} if across else set()), r
+        assert r["bench"] == "model" and r["calibration"] == "defaults"
         topo = costmodel.Topology.uniform(r["nodes"], r["ranks_per_node"])
+        if across:
+            assert r["across"] == costmodel.choose_across(min(r["bytes"], 4 << 20) / r["ranks_per_node"],
+                                                          r["nodes"], r["ranks_per_node"])
         assert r["time_s"] == pytest.approx(costmodel.predict(r["algo"], r["bytes"], topo))
         p = topo.size
         assert r["busbw"] == pytest.approx(2 * (p - 1) / p * r["bytes"] / r["time_s"] / 1e9)

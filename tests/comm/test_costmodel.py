@@ -1,5 +1,6 @@
 """The allreduce cost model (serial): predictions, the choice, the DDP step, calibration files."""
 import dataclasses
+import functools
 import json
 import math
 import subprocess
@@ -90,20 +91,48 @@ def test_two_level_beats_the_flat_ring_across_slow_links():
 
 
 def test_two_level_formula_and_its_segments():
-    """Per segment: reduce-scatter in the node, Lmin rings across nodes sharing the link,
-    allgather in the node; more segments repeat the latencies, not the bytes."""
+    """Per segment: reduce-scatter in the node, Lmin stages across nodes sharing the link (the
+    fastest of ring, doubling and halving for the slice), allgather in the node; more
+    segments repeat the flag rounds and the stage's latencies, not the bytes."""
     cal, N, L, n = DEFAULTS, 4, 2, 8 * MIB
     topo = Topology.uniform(N, L)
-    chunk = n / (L * N)
-    expect = (cal.alpha_call
-              + n / cal.beta_mem + cal.alpha_sync + n / L / cal.beta_mem + (L - 1) * n / L / cal.gamma
-              + 2 * (N - 1) * (cal.alpha_step + cal.alpha_ring_step + cal.alpha_inter
-                               + L * chunk / cal.beta_inter)
-              + (N - 1) * chunk / cal.gamma
-              + cal.alpha_sync + n / cal.beta_mem)
-    assert predict("two_level", n, topo, cal, segment=n) == pytest.approx(expect)
-    per_segment = 2 * cal.alpha_sync + 2 * (N - 1) * (cal.alpha_step + cal.alpha_ring_step + cal.alpha_inter)
-    assert predict("two_level", n, topo, cal) == pytest.approx(expect + per_segment)  # 2 x 4 MiB
+    node = (cal.alpha_call + n / cal.beta_mem + n / L / cal.beta_mem + (L - 1) * n / L / cal.gamma
+            + n / cal.beta_mem)
+
+    def best(part):
+        return min(costmodel.across_time(how, part, N, L, cal) for how in costmodel.ACROSS)
+    assert predict("two_level", n, topo, cal, segment=n) == pytest.approx(node + 2 * cal.alpha_sync + best(n / L))
+    assert predict("two_level", n, topo, cal) == pytest.approx(  # 2 x 4 MiB
+        node + 2 * (2 * cal.alpha_sync + best(4 * MIB / L)))
+
+
+def test_the_stages_across_nodes_and_their_choice():
+    """A message costs hpcdp's step, alpha_inter and the shared link; the ring 2(N-1) of
+    part/N, doubling log2 N of part, halving 2 log2 N halving ones; a non-power of two folds
+    (two more messages of part and an addition). Small slices over many nodes take doubling,
+    large ones halving; on 3 nodes the ring's bytes win."""
+    cal, L, part = DEFAULTS, 2, 3 * MIB
+
+    def msg(b):
+        return cal.alpha_step + cal.alpha_ring_step + cal.alpha_inter + L * b / cal.beta_inter
+
+    def add(b):
+        return b / cal.gamma
+    t = functools.partial(costmodel.across_time, part=part, lanes=L, cal=cal)
+    assert t("ring", nodes=8) == pytest.approx(14 * msg(part / 8) + 7 * add(part / 8))
+    assert t("doubling", nodes=8) == pytest.approx(3 * (msg(part) + add(part)))
+    assert t("halving", nodes=8) == pytest.approx(sum(2 * msg(part / 2 ** k) + add(part / 2 ** k)
+                                                      for k in (1, 2, 3)))
+    fold = 2 * msg(part) + add(part)
+    assert t("doubling", nodes=6) == pytest.approx(fold + 2 * (msg(part) + add(part)))
+    assert t("halving", nodes=1) == 0.0
+    with pytest.raises(ValueError, match="unknown stage across nodes 'tree'"):
+        t("tree", nodes=4)
+    assert costmodel.choose_across(4 << 10, 512, L, cal) == "doubling"
+    assert costmodel.choose_across(MIB, 512, L, cal) == "halving"
+    assert costmodel.choose_across(MIB, 3, L, cal) == "ring"
+    assert costmodel.link_bytes("two_level", MIB, Topology.uniform(8, L), "doubling") == 3 * MIB
+    assert costmodel.link_bytes("two_level", MIB, Topology.uniform(6, L), "halving") == MIB * (1.5 + 1)
 
 
 def test_cyclic_placement_makes_every_ring_edge_leave_its_node():

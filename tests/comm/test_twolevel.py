@@ -1,6 +1,7 @@
 """The two-level allreduce across pretend nodes (``HPCDP_FAKE_NODES`` splits one machine's
 ranks), even and uneven, 2 to 5 ranks: sums against a float64 reference, the same bits on
-every rank, blocking and async, ``algo="auto"``, the bytes each node sends, fp16, bf16,
+every rank, blocking and async, ``algo="auto"``, each stage across nodes (the ring, recursive
+doubling, halving-doubling), the bytes each rank sends across nodes, fp16, bf16,
 1-bit and PowerSGD composed with it, and a mismatch
 between ranks that pick different algorithms (the job asserts on every rank)."""
 import pytest
@@ -11,12 +12,18 @@ JOB = "tests/comm/twolevel_job.py"
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("nodes, segment", [("2,2", None), ("3,1", None), ("1,2,1", None),
-                                            ("2,3", 1 << 18)])
-def test_two_level_on_pretend_nodes(nodes, segment):
-    """(``segment``: a smaller window, so that 300,001 elements take several segments.)"""
+@pytest.mark.parametrize("nodes, segment, across", [
+    ("2,2", None, None), ("3,1", None, None), ("1,2,1", None, None), ("2,3", 1 << 18, None),
+    ("1,1,1,1", None, None), ("2,2", None, "ring"), ("1,1,1", None, "halving"),
+    ("2,1,1", None, "doubling")])
+def test_two_level_on_pretend_nodes(nodes, segment, across):
+    """(``segment``: a smaller window, so that 300,001 elements take several segments;
+    ``across``: the stage across nodes, else the cost model's pick per slice size, with the
+    default constants: recursive doubling on 2 nodes, the ring on 3, doubling then halving
+    from 4 KiB to 1 MiB slices on 4.)"""
     np_ = sum(int(c) for c in nodes.split(","))
-    env = {"HPCDP_FAKE_NODES": nodes} | ({"HPCDP_SHM_BYTES": str(segment)} if segment else {})
+    env = {"HPCDP_FAKE_NODES": nodes} | ({"HPCDP_SHM_BYTES": str(segment)} if segment else {}) \
+        | ({"HPCDP_ACROSS": across} if across else {})
     p = run_mpi(np_, [JOB], timeout=150, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"OK nodes=[{nodes.replace(',', ', ')}]" in p.stdout, p.stdout + p.stderr

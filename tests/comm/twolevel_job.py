@@ -8,7 +8,8 @@ import numpy as np
 
 import hpcdp
 from hpcdp._runtime import runtime
-from hpcdp.comm.schedule import chunk_bounds
+from hpcdp.comm.doubling import DoublingSchedule
+from hpcdp.comm.schedule import RingSchedule, chunk_bounds
 from hpcdp.compress import OneBit, OneBitState, PowerSGD
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
@@ -49,17 +50,34 @@ def check_sums(rt, algo):
 
 
 def check_link_bytes(rt):
-    """Bytes that leave each node: the two-level rings send 2 (N-1)/N of the buffer per node,
-    whatever the ranks per node."""
-    n, nodes = 1 << 20, len(rt.nodes)
+    """Bytes each rank sends across nodes: exactly what its stage's schedule sends for its
+    slice of every segment (the ring, recursive doubling or halving, as ``rt.across_kind``
+    picks); with the ring (or halving on a power of two), each node sends 2 (N-1)/N of the
+    buffer, whatever its ranks."""
+    n, nodes, slices = 1 << 20, len(rt.nodes), rt.cross()[1]
     stats = {}
     hpcdp.allreduce(np.ones(n, dtype=np.float32), algo="two_level", stats=stats)
     node = next(i for i, ranks in enumerate(rt.nodes) if rt.rank in ranks)
-    sent = rt.comm.allgather((node, stats.get("bytes_sent", 0)))
-    per_node = [sum(b for i, b in sent if i == k) for k in range(nodes)]
-    expected = 2 * (nodes - 1) / nodes * 4 * n
-    for k, got in enumerate(per_node):
-        assert abs(got - expected) <= 64 * nodes, f"rank {rt.rank}: node {k} sent {got}, expected {expected}"
+    per = rt.node_data().capacity // 4
+    expected, kinds = 0, set()
+    for lo in range(0, n, per) if rt.local_rank < slices else ():
+        bounds = chunk_bounds(min(n, lo + per) - lo, slices)
+        m = bounds[rt.local_rank + 1] - bounds[rt.local_rank]
+        kind = rt.across_kind(4 * m)
+        kinds.add(kind)
+        if kind == "ring":
+            expected += RingSchedule(m, nodes, node, (1 << 20) // 4).bytes_sent(4)
+        else:
+            expected += 4 * DoublingSchedule(m, nodes, node, kind).elements("send")
+    got = stats.get("bytes_sent", 0)
+    assert got == expected, f"rank {rt.rank}: sent {got} across nodes by {kinds}, expected {expected}"
+    sent = rt.comm.allgather((node, got, kinds))
+    kinds = set().union(*(k for _, _, k in sent))
+    if kinds <= {"ring", "halving"} and (kinds == {"ring"} or nodes & (nodes - 1) == 0):
+        for k in range(nodes):
+            per_node = sum(b for i, b, _ in sent if i == k)
+            assert abs(per_node - 2 * (nodes - 1) / nodes * 4 * n) <= 64 * nodes, \
+                f"rank {rt.rank}: node {k} sent {per_node} by {kinds}"
 
 
 def check_compressed(rt):
@@ -191,9 +209,13 @@ def check_powersgd(rt):
     node = next(i for i, ranks in enumerate(rt.nodes) if rank in ranks)
     sent = rt.comm.allgather((node, stats.get("bytes_sent", 0)))
     nodes = len(rt.nodes)
-    for k in range(nodes):  # the two sums' two-level rings across nodes carry the factors
+    # the two sums' stages across nodes carry the factors: 2 (N-1)/N of them per node by the
+    # ring, at most (log2 N + 1) times them by recursive doubling with a fold (N = 3), where
+    # the gradient itself is 4 times them or more (asserted above)
+    most = max(2 * (nodes - 1) / nodes, (nodes - 1).bit_length())
+    for k in range(nodes):
         got = sum(b for i, b in sent if i == k)
-        assert got <= 2 * (nodes - 1) / nodes * payload + 64 * nodes, \
+        assert got <= most * payload + 64 * nodes, \
             f"rank {rank}: node {k} sent {got}, the factors are {payload} bytes"
 
 
