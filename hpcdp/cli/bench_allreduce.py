@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from ._algos import allreduce_by
 from ._torch_groups import gloo_group
 from ._runners import cuda_refused
 
@@ -71,7 +72,7 @@ def _host_runners(elems, comm, groups, check, algos=()) -> dict:
                "hpcdp_async": lambda: hpcdp.allreduce_async(buf, check=check).wait(),
                "native": lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)}
     for algo in algos:
-        runners[algo] = functools.partial(hpcdp.allreduce, buf, check=check, algo=algo)
+        runners[algo] = allreduce_by(algo, buf, check)
     if groups:
         import torch
         import torch.distributed as dist
@@ -136,7 +137,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="buffers in host memory (numpy) or on this rank's GPU (torch CUDA tensors)")
     ap.add_argument("--algos", default="",
-                    help="also time these algorithms by name (comma-separated: ring, shm, two_level; "
+                    help="also time these algorithms by name (comma-separated: ring, shm, two_level, "
+                         "and two_level:ring|doubling|halving, its stage across nodes forced; "
                          "host buffers): fields <algo>_time_s, <algo>_busbw, ratio_<algo>")
     ap.add_argument("--no-check", action="store_true",
                     help="skip hpcdp's cross-rank argument check (what DDP does internally)")

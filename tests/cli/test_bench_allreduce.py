@@ -49,3 +49,23 @@ def test_device_cuda_runs_on_the_gpu_or_is_refused_without_one():
         return
     (r,) = _records(p.stdout)
     assert r["device"] == "cuda" and r["native"] in ("device", "staged") and r["cuda_aware_how"]
+
+
+@pytest.mark.timeout(120)
+def test_two_levels_stages_are_timed_side_by_side_on_pretend_nodes():
+    p = run_mpi(2, ["-m", "hpcdp.cli.bench", "allreduce", "--sizes", "4k", "--trials", "2",
+                    "--min-time", "0.01", "--algos", "two_level:ring,two_level:doubling,two_level:halving"],
+                timeout=100, env={"HPCDP_FAKE_NODES": "1,1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    (r,) = _records(p.stdout)
+    assert r["nodes"] == 2
+    for stage in ("ring", "doubling", "halving"):
+        name = f"two_level:{stage}"
+        assert r[f"ratio_{name}"] == pytest.approx(r["native_time_s"] / r[f"{name}_time_s"])
+
+
+def test_a_stage_is_named_after_two_level():
+    from hpcdp.cli._algos import allreduce_by
+    for bad in ("ring:doubling", "two_level:tree"):
+        with pytest.raises(ValueError, match="two_level:<stage>, <stage> one of ring, doubling, halving"):
+            allreduce_by(bad, None, False)

@@ -5,7 +5,8 @@ that cross each node's link. Run it under ``srun`` on the local cluster (docs/cl
         .venv/bin/python tools/cluster/bench_allreduce.py --size-mib 64 --algos ring,two_level
 
 ``tools/cluster/harness.py bench`` writes that job for you. For each algorithm NAME in
-``--algos`` (passed as ``hpcdp.allreduce(buf, algo=NAME)``), over a float32 buffer of
+``--algos`` (passed as ``hpcdp.allreduce(buf, algo=NAME)``; ``two_level:ring``,
+``two_level:doubling``, ``two_level:halving``: two_level with that stage across nodes), over a float32 buffer of
 ``--size-mib`` MiB:
 
 1. warm-up: one call of NAME, one native ``comm.Allreduce``, each result checked;
@@ -60,12 +61,14 @@ from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import hpcdp  # noqa: E402
+from hpcdp.cli._algos import allreduce_by  # noqa: E402
 
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mib", type=float, default=64.0, help="float32 buffer size (MiB)")
-    ap.add_argument("--algos", default="ring", help="comma-separated hpcdp.allreduce algo names")
+    ap.add_argument("--algos", default="ring", help="comma-separated hpcdp.allreduce algo names "
+                    "(two_level:<stage>: two_level with its stage across nodes forced)")
     ap.add_argument("--iters", type=int, default=5, help="timed trials (pairs: algo, native)")
     ap.add_argument("--count-calls", type=int, default=2,
                     help="calls of each algorithm in its byte-counted phase")
@@ -181,7 +184,7 @@ def run(a) -> int:
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
     def ours(algo):
-        return lambda: hpcdp.allreduce(buf, algo=algo, check=False)
+        return allreduce_by(algo, buf, False)
 
     def timed(call) -> tuple[float, bool]:
         """One call from a filled buffer: (slowest rank's seconds, result right everywhere)."""

@@ -2,13 +2,14 @@
 """Summarise rounds of ``tools/cluster/harness.py bench --json`` (one JSON line per algorithm
 and job; run the job once per round) per configuration and algorithm:
 
-    python3 tools/cluster/rounds.py raw.jsonl > summary.jsonl
+    python3 tools/cluster/rounds.py [--base ALGO] raw.jsonl > summary.jsonl
 
 One line per (nodes, ranks per node, placement, rate, algorithm, size): the median time and
 native time over rounds, ``over_ring`` (median time / the flat ring's median time in the same
-configuration), ``over_native`` (median over rounds of time / the same job's native time),
-the median link bytes per node and ``bytes_over_ring`` (/ the ring's). Error lines are
-skipped. Standard library only.
+configuration), ``over_base`` (the same against ``--base``'s, default ``ring``; e.g.
+``two_level:ring`` to compare two_level's stages across nodes), ``over_native`` (median over
+rounds of time / the same job's native time), the median link bytes per node and
+``bytes_over_ring`` (/ the ring's). Error lines are skipped. Standard library only.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import statistics
 import sys
 
 
-def summarise(lines: list[dict]) -> list[dict]:
+def summarise(lines: list[dict], base: str = "ring") -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in lines:
         if "error" in r or "time_s" not in r:
@@ -33,19 +34,23 @@ def summarise(lines: list[dict]) -> list[dict]:
     out = []
     for k in sorted(med, key=lambda k: tuple(map(str, k))):
         nodes, rpn, placement, rate, nbytes, algo = k
-        ring = med.get(k[:5] + ("ring",))
+        ring, other = med.get(k[:5] + ("ring",)), med.get(k[:5] + (base,))
         m = med[k]
         out.append({"bench": "cluster-allreduce-rounds", "nodes": nodes, "ranks_per_node": rpn,
                     "placement": placement, "rate": rate, "bytes": nbytes, "algo": algo, **m,
                     "over_ring": None if ring is None else m["time_s"] / ring["time_s"],
+                    "base": base, "over_base": None if other is None else m["time_s"] / other["time_s"],
                     "bytes_over_ring": None if not ring or not ring["internode_bytes_per_node"]
                     else m["internode_bytes_per_node"] / ring["internode_bytes_per_node"]})
     return out
 
 
-def main(paths: list[str]) -> int:
-    lines = [json.loads(line) for p in paths for line in open(p) if line.strip().startswith("{")]
-    for rec in summarise(lines):
+def main(argv: list[str]) -> int:
+    base = "ring"
+    if argv[:1] == ["--base"]:
+        base, argv = argv[1], argv[2:]
+    lines = [json.loads(line) for p in argv for line in open(p) if line.strip().startswith("{")]
+    for rec in summarise(lines, base):
         print(json.dumps(rec))
     return 0
 
