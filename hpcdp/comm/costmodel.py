@@ -42,6 +42,11 @@ ALGOS = ("ring", "shm", "two_level", "native_rd", "native_rsag", "native")
 HPCDP_ALGOS = ("ring", "shm", "two_level")
 #: two_level's stages across nodes (hpcdp.comm.twolevel)
 ACROSS = ("ring", "doubling", "halving")
+#: another stage replaces the ring only when predicted this much faster: on two nodes all
+#: three move the same bytes and the model's gain of one fewer message was 0.1 % of a
+#: 64 MiB call, while recursive doubling measured 2 % slower than the ring (one message of
+#: a 2 MiB slice against two of 1 MiB; emulated 1 Gbit/s link, docs/performance.md)
+ACROSS_MARGIN = 0.05
 # latencies may be 0 (alpha_inter on one node); bandwidths and speeds must be > 0
 _MAY_BE_ZERO = ("alpha_step", "alpha_inter", "alpha_sync", "alpha_call", "alpha_check",
                 "alpha_ring_step")
@@ -372,7 +377,7 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
 
 
 def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGMENT,
-               small: int = SHM_SMALL) -> float:
+               small: int = SHM_SMALL, across: str | None = None) -> float:
     """Shared memory inside the nodes, a stage across them (N nodes, Lmin = fewest ranks on a
     node; local ranks >= Lmin only contribute their data), per segment of ``segment`` bytes
     (the node window's capacity, as hpcdp.comm.twolevel does):
@@ -380,8 +385,8 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGM
        slice j of n/Lmin from the node's L inputs (first one copied, the others added from
        their window parts: the shared profile);
     2. local rank j reduces slice j across the N nodes: the Lmin stages share each node's
-       link, and each takes the fastest of :data:`ACROSS` for its slice (:func:`across_time`,
-       as the runtime picks);
+       link, and each takes :func:`choose_across`'s stage for its slice (as the runtime
+       does), or ``across`` where it is given (``HPCDP_ACROSS``);
     3. allgather in the node: one flag round, every rank copies the result out of the
        owners' parts (the shared profile).
     Copies and the node's additions are timed at the whole buffer's size, where its cache
@@ -397,10 +402,11 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGM
     scatter = cal.t_shared_write(n) + cal.t_copy(part) + (lmax - 1) * cal.t_shared_add(part)
     gather = cal.t_shared_copy(n)
     full, rest = divmod(n, segment)
-    across = full * _best_across(segment / lmin, N, lmin, cal) if full else 0.0
-    if rest:
-        across += _best_across(rest / lmin, N, lmin, cal)
-    return cal.alpha_call + scatter + gather + across + (full + bool(rest)) * 2 * cal.alpha_sync
+
+    def stage(part):
+        return across_time(across or choose_across(part, N, lmin, cal), part, N, lmin, cal)
+    t = full * stage(segment / lmin) + (stage(rest / lmin) if rest else 0.0)
+    return cal.alpha_call + scatter + gather + t + (full + bool(rest)) * 2 * cal.alpha_sync
 
 
 def across_time(how: str, part: float, nodes: int, lanes: int, cal: Calibration) -> float:
@@ -435,13 +441,12 @@ def across_time(how: str, part: float, nodes: int, lanes: int, cal: Calibration)
 
 
 def choose_across(part: int, nodes: int, lanes: int, cal: Calibration = DEFAULTS) -> str:
-    """The stage across nodes (of :data:`ACROSS`) with the lowest :func:`across_time` for a
-    slice of ``part`` bytes; ties go to the earlier one."""
-    return min(ACROSS, key=lambda how: (across_time(how, part, nodes, lanes, cal), ACROSS.index(how)))
-
-
-def _best_across(part: float, nodes: int, lanes: int, cal: Calibration) -> float:
-    return min(across_time(how, part, nodes, lanes, cal) for how in ACROSS)
+    """The stage across nodes (of :data:`ACROSS`) for a slice of ``part`` bytes: the one with
+    the lowest :func:`across_time`, where it beats the ring's by :data:`ACROSS_MARGIN`, else
+    the ring."""
+    t = {how: across_time(how, part, nodes, lanes, cal) for how in ACROSS}
+    best = min(ACROSS, key=lambda how: (t[how], ACROSS.index(how)))
+    return best if t[best] < (1 - ACROSS_MARGIN) * t["ring"] else "ring"
 
 
 def _pof2_split(topo: Topology, cal: Calibration, n: int) -> tuple:
@@ -486,17 +491,20 @@ def _native_rsag(n: int, topo: Topology, cal: Calibration) -> float:
 
 
 def predict(algo: str, nbytes: int, topo: Topology, cal: Calibration = DEFAULTS, *,
-            segment: int = SHM_SEGMENT, small: int = SHM_SMALL, check: bool = False) -> float:
+            segment: int = SHM_SEGMENT, small: int = SHM_SMALL, check: bool = False,
+            across: str | None = None) -> float:
     """Predicted seconds of one allreduce of ``nbytes`` with ``algo`` (one of :data:`ALGOS`;
     hpcdp's own include alpha_call). ``segment``: the node window's segment (shm and
     two_level); ``small``: the size up to which shm's one-round variant may be taken;
     ``check``: hpcdp's call makes its argument check (the default of ``hpcdp.allreduce``;
     DDP's buckets skip it), which adds alpha_check to the ring and two_level (shm carries the
-    check in its own flag round)."""
+    check in its own flag round); ``across``: two_level's stage across nodes (one of
+    :data:`ACROSS`; default: the fastest per segment, as ``HPCDP_ACROSS=auto``)."""
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, not {nbytes}")
     if check and algo in ("ring", "two_level") and topo.size > 1:
-        return cal.alpha_check + predict(algo, nbytes, topo, cal, segment=segment, small=small)
+        return cal.alpha_check + predict(algo, nbytes, topo, cal, segment=segment, small=small,
+                                         across=across)
     if algo == "ring":
         return _ring(nbytes, topo, cal)
     if algo == "shm":
@@ -505,7 +513,7 @@ def predict(algo: str, nbytes: int, topo: Topology, cal: Calibration = DEFAULTS,
                              f"{topo.nodes} nodes (use 'two_level' or 'ring')")
         return _shm(nbytes, topo.size, cal, segment, small)
     if algo == "two_level":
-        return _two_level(nbytes, topo, cal, segment, small)
+        return _two_level(nbytes, topo, cal, segment, small, across)
     if algo == "native_rd":
         return _native_rd(nbytes, topo, cal)
     if algo == "native_rsag":

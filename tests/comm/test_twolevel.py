@@ -19,8 +19,8 @@ JOB = "tests/comm/twolevel_job.py"
 def test_two_level_on_pretend_nodes(nodes, segment, across):
     """(``segment``: a smaller window, so that 300,001 elements take several segments;
     ``across``: the stage across nodes, else the cost model's pick per slice size, with the
-    default constants: recursive doubling on 2 nodes, the ring on 3, doubling then halving
-    from 4 KiB to 1 MiB slices on 4.)"""
+    default constants: recursive doubling for the smallest slices, halving at 64 KiB on 4
+    nodes, the ring for the larger ones.)"""
     np_ = sum(int(c) for c in nodes.split(","))
     env = {"HPCDP_FAKE_NODES": nodes} | ({"HPCDP_SHM_BYTES": str(segment)} if segment else {}) \
         | ({"HPCDP_ACROSS": across} if across else {})

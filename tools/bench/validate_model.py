@@ -12,7 +12,8 @@ MEASURED files hold JSON lines of two kinds, each with a ``round`` field:
   (``<algo>_time_s``);
 * ``tools/cluster/bench_allreduce.py`` lines from the emulated cluster
   (``python tools/cluster/harness.py bench --json``): one algorithm per line, with its
-  nodes, ranks per node, placement and link rate.
+  nodes, ranks per node, placement and link rate (``two_level:<stage>``: predicted with
+  that stage across nodes).
 
 The prediction uses ``--calibration`` (``hpcdp-bench calibrate`` on one node) for the
 node's constants and, for cluster points, ``alpha_inter`` from ``--cluster-calibration``
@@ -136,7 +137,8 @@ def predict(key: tuple, cal, cluster_cal) -> float:
                                   beta_inter=rate_bytes(rate) if rate else cluster_cal.beta_inter)
     if algo == "auto":
         algo = costmodel.choose(nbytes, topo, cal)
-    return costmodel.predict(algo, nbytes, topo, cal, check=check)
+    algo, _, across = algo.partition(":")  # (two_level:<stage>: that stage across nodes)
+    return costmodel.predict(algo, nbytes, topo, cal, check=check, across=across or None)
 
 
 def validate(records: list[dict], cal, cluster_cal, cores: int) -> list[dict]:
