@@ -140,6 +140,22 @@ SPECS = {
             ("/ flat ring", "over_ring", "ratio"), ("/ native", "over_native", "ratio"),
             ("link MB/node", "internode_bytes_per_node", "mb"), ("link bytes / ring's", "bytes_over_ring", "ratio")],
     },
+    "cluster-across": {
+        "file": "cluster-across.jsonl",
+        "command": "for r in 1 2 3 4 5; do for cfg in '4 1' '2 2'; do set -- $cfg; for rate in 10gbit 1gbit; do "
+                   "for size in 0.0625 1; do python tools/cluster/harness.py bench --nodes $1 --ranks-per-node $2 "
+                   "--rates $rate --size-mib $size --algos ring,two_level:ring,two_level:doubling,"
+                   "two_level:halving,auto --iters 5 --env HPCDP_CALIBRATION=$PWD/docs/results/"
+                   "calibration-cluster.json --json; done; done; done; done > docs/results/cluster-across-raw.jsonl; "
+                   "python3 tools/cluster/rounds.py --base two_level:ring docs/results/cluster-across-raw.jsonl "
+                   "> docs/results/cluster-across.jsonl",
+        "where": {"bench": "cluster-allreduce-rounds"},
+        "columns": [("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "int"), ("link", "rate", "str"),
+                    ("size", "bytes", "size"), ("algo", "algo", "str"), ("rounds", "rounds", "int"),
+                    ("time (us)", "time_s", "us"), ("native (us)", "native_time_s", "us"),
+                    ("/ two_level:ring", "over_base", "ratio"), ("/ native", "over_native", "ratio"),
+                    ("link KB/node", "internode_bytes_per_node", "kb")],
+    },
     "cluster-ddp": {
         "file": "cluster-ddp.jsonl",
         "command": _CLUSTER_DDP,
@@ -165,6 +181,7 @@ SPECS = {
                    "--calibration 'docs/results/calibration-round{round}.json' "
                    "--cluster-calibration docs/results/calibration-cluster.json --cores 2 "
                    "docs/results/model-one-node.jsonl docs/results/cluster-allreduce-raw.jsonl "
+                   "docs/results/cluster-across-raw.jsonl docs/results/cluster-stages-64m-raw.jsonl "
                    "> docs/results/model-validation.jsonl",
         "where": {"bench": "model-validation"},
         "columns": _POINT_COLUMNS + [
