@@ -391,6 +391,7 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGM
        owners' parts (the shared profile).
     Copies and the node's additions are timed at the whole buffer's size, where its cache
     residency is decided; every segment pays its flag rounds and its stage across nodes.
+    With one rank on every node, steps 1 and 3 are skipped (the stage runs in place).
     One node: :func:`_shm`."""
     N = topo.nodes
     if N == 1:
@@ -401,12 +402,15 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGM
     part = n / lmin
     scatter = cal.t_shared_write(n) + cal.t_copy(part) + (lmax - 1) * cal.t_shared_add(part)
     gather = cal.t_shared_copy(n)
+    sync = 2 * cal.alpha_sync
+    if lmax == 1:  # every rank alone on its node: the stage runs on its buffer in place
+        scatter = gather = sync = 0.0
     full, rest = divmod(n, segment)
 
     def stage(part):
         return across_time(across or choose_across(part, N, lmin, cal), part, N, lmin, cal)
     t = full * stage(segment / lmin) + (stage(rest / lmin) if rest else 0.0)
-    return cal.alpha_call + scatter + gather + t + (full + bool(rest)) * 2 * cal.alpha_sync
+    return cal.alpha_call + scatter + gather + t + (full + bool(rest)) * sync
 
 
 def across_time(how: str, part: float, nodes: int, lanes: int, cal: Calibration) -> float:

@@ -22,7 +22,8 @@ slices (the ring's chunk bounds):
 
 Local ranks ``>= S`` (on nodes with more ranks than the smallest) only contribute their
 input and copy the result out: uneven nodes are correct, and their extra ranks add
-reduction work on their node but no link traffic.
+reduction work on their node but no link traffic. A rank alone on its node (then ``S = 1``)
+skips steps 1, 2, 4 and 5: its stage across nodes runs on its buffer in place.
 
 Step 3's reduction across nodes is a pluggable stage (``across``: one of the ``*_across``
 generators below with its leading arguments bound), so compression applies there only and
@@ -102,6 +103,9 @@ def slice_elements(window, buf, slices: int) -> int:
 
 def _segment(ctx, window, slices, buf, lo, hi, average, total, across, tally, step):
     half = buf.dtype.name in HALF_DTYPES
+    if window.size == 1:
+        yield from _alone(ctx, buf, lo, hi, average, half, total, across, tally, step)
+        return
     ctx.at("two-level allreduce: copy in")
     parts = copy_in(window, buf, lo, hi, average, total)
     yield from node_round(ctx, window)
@@ -116,6 +120,19 @@ def _segment(ctx, window, slices, buf, lo, hi, average, total, across, tally, st
     ctx.at("two-level allreduce: copy out")
     copy_out(buf, lo, parts, bounds)
     window.half ^= 1
+    ctx.step_done(step + 2, 0, 0)
+
+
+def _alone(ctx, buf, lo, hi, average, half, total, across, tally, step):
+    """A rank alone on its node: the node's sum is its own input, so its stage across nodes
+    (``S = 1``: the whole segment) runs on the buffer in place, without the window's copies
+    and flag rounds; the same bits, the same steps reported."""
+    acc = buf.data[lo:hi]
+    if average and half:
+        buf.ops.scale(acc, total)
+    ctx.step_done(step, 0, 0)
+    yield from across(acc, lo, average and not half)
+    ctx.step_done(step + 1, *tally.take())
     ctx.step_done(step + 2, 0, 0)
 
 

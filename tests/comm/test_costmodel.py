@@ -109,6 +109,16 @@ def test_two_level_formula_and_its_segments():
             node + 2 * (2 * cal.alpha_sync + costmodel.across_time(how, 4 * MIB / L, N, L, cal)))
 
 
+def test_ranks_alone_on_their_nodes_skip_the_node_stage():
+    """One rank on every node: no window copies and no flag rounds, only the stage across
+    nodes on the buffer in place, per segment."""
+    cal, N, n = DEFAULTS, 4, 8 * MIB
+    stage = costmodel.across_time(costmodel.choose_across(4 * MIB, N, 1, cal), 4 * MIB, N, 1, cal)
+    assert predict("two_level", n, Topology.uniform(N, 1), cal) == pytest.approx(cal.alpha_call + 2 * stage)
+    assert predict("two_level", n, Topology((2, 1, 1, 1)), cal) > \
+        predict("two_level", n, Topology.uniform(N, 1), cal) + n / cal.beta_mem
+
+
 def test_the_stages_across_nodes_and_their_choice():
     """A message costs hpcdp's step, alpha_inter and the shared link; the ring 2(N-1) of
     part/N, doubling log2 N of part, halving 2 log2 N halving ones; a non-power of two folds

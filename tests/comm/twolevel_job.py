@@ -262,6 +262,18 @@ def check_steps(rt):
         assert sum(e[3] for e in events[0::3]) + sum(e[3] for e in events[2::3]) == 0, what
 
 
+def check_alone(rt):
+    """A rank alone on its pretend node runs the stage across nodes on its buffer in place:
+    its window's halves are not used (a shared call flips the half once per segment)."""
+    window = rt.node_data()
+    before = window.half
+    x = inputs(rt.rank, 1001, np.float32)
+    hpcdp.allreduce(x, algo="two_level", name="alone")
+    flipped = window.half != before
+    assert flipped == (rt.local_size > 1), \
+        f"rank {rt.rank}: {rt.local_size} rank(s) on its node, window half flipped: {flipped}"
+
+
 def check_mismatch(rt):
     if rt.size == 1:
         return
@@ -295,6 +307,7 @@ def main():
         check_powersgd(rt)
         check_ddp(rt)
         check_steps(rt)
+        check_alone(rt)
         check_shm_needs_one_node(rt)
     check_mismatch(rt)
     if rt.rank == 0:
