@@ -60,6 +60,8 @@ class _Runtime:
         everyone = self.comm.allgather((self.hostname, across))
         self.hostnames = [host for host, _ in everyone]
         self.nodes = _nodes(self.hostnames)
+        # two_level's slices: the ranks of the smallest node (see cross())
+        self.slices = min(len(ranks) for ranks in self.nodes)
         self.across = _agreed_across(self.rank, [a for _, a in everyone])
         self.algo = os.environ.get("HPCDP_ALGO") or "auto"
         from .comm.shm import SHM_CAPACITY
@@ -138,7 +140,7 @@ class _Runtime:
         communicator ``k`` (one rank per node, in node order; ``None`` for the others). Made
         on first use, by every rank at the same operation."""
         if self._cross is None:
-            slices = min(len(ranks) for ranks in self.nodes)
+            slices = self.slices
             node = next(i for i, ranks in enumerate(self.nodes) if self.rank in ranks)
             color = self.local_rank if self.local_rank < slices else self.MPI.UNDEFINED
             comm = self.comm.Split(color, key=node)
@@ -174,8 +176,7 @@ class _Runtime:
         how = self._auto.get(("across", nbytes))
         if how is None:
             from .comm.costmodel import choose_across
-            slices = min(len(ranks) for ranks in self.nodes)  # (as cross(), without the collective)
-            how = self._auto[("across", nbytes)] = choose_across(nbytes, len(self.nodes), slices,
+            how = self._auto[("across", nbytes)] = choose_across(nbytes, len(self.nodes), self.slices,
                                                                  self.calibration)
         return how
 
@@ -263,10 +264,10 @@ def _agreed_across(rank: int, values: list) -> str:
     if bad:
         raise ValueError(f"rank {rank}: HPCDP_ACROSS must be auto, {', '.join(ACROSS)}; "
                          f"got {bad[0]!r} on rank {values.index(bad[0])}")
-    if len(set(values)) > 1:
+    other = next((r for r, v in enumerate(values) if v != values[0]), None)
+    if other is not None:
         raise ValueError(f"rank {rank}: HPCDP_ACROSS differs between ranks (rank 0: {values[0]!r}, "
-                         f"rank {next(r for r, v in enumerate(values) if v != values[0])}: "
-                         f"{next(v for v in values if v != values[0])!r}): set it alike for the job")
+                         f"rank {other}: {values[other]!r}): set it alike for the job")
     return values[0]
 
 
@@ -478,8 +479,7 @@ def _across_picks(rt) -> dict:
     25 MiB (empty on one node)."""
     if len(rt.nodes) == 1:
         return {}
-    slices = min(len(ranks) for ranks in rt.nodes)
-    return {label: rt.across_kind(-(-min(nbytes, rt.shm_bytes) // slices)) for label, nbytes in
+    return {label: rt.across_kind(-(-min(nbytes, rt.shm_bytes) // rt.slices)) for label, nbytes in
             (("64KiB", 64 << 10), ("1MiB", 1 << 20), ("25MiB", 25 << 20))}
 
 

@@ -293,13 +293,18 @@ def _rank_nodes(topo: Topology) -> tuple:
     return tuple(out)
 
 
+def _pof2(p: int) -> int:
+    """The largest power of two <= ``p``."""
+    return 1 << (p.bit_length() - 1)
+
+
 @functools.lru_cache(maxsize=4096)
 def _pattern(topo: Topology, kind: str, k: int = 0) -> tuple:
     """Who sends to whom in one step, as (any message inside a node, most messages leaving one
     node). ``kind``: ``"ring"`` (r -> r+1 mod p), ``"xor"`` (r <-> r xor 2^k, r < p2, the
     largest power of two <= p), ``"fold"`` (2i -> 2i+1, i < p - p2)."""
     p, nodes = topo.size, topo.rank_nodes()
-    p2 = 1 << (p.bit_length() - 1)
+    p2 = _pof2(p)
     if kind == "ring":
         pairs = [(r, (r + 1) % p) for r in range(p)]
     elif kind == "xor":
@@ -407,8 +412,8 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGM
         scatter = gather = sync = 0.0
     full, rest = divmod(n, segment)
 
-    def stage(part):
-        return across_time(across or choose_across(part, N, lmin, cal), part, N, lmin, cal)
+    def stage(piece):
+        return across_time(across or choose_across(piece, N, lmin, cal), piece, N, lmin, cal)
     t = full * stage(segment / lmin) + (stage(rest / lmin) if rest else 0.0)
     return cal.alpha_call + scatter + gather + t + (full + bool(rest)) * sync
 
@@ -433,7 +438,7 @@ def across_time(how: str, part: float, nodes: int, lanes: int, cal: Calibration)
         return 2 * (nodes - 1) * msg(chunk) + (nodes - 1) * cal.t_add(chunk)
     if how not in ("doubling", "halving"):
         raise ValueError(f"unknown stage across nodes {how!r} (known: {', '.join(ACROSS)})")
-    n2 = 1 << (nodes.bit_length() - 1)
+    n2 = _pof2(nodes)
     t = 2 * msg(part) + cal.t_add(part) if n2 != nodes else 0.0
     for k in range(n2.bit_length() - 1):
         if how == "doubling":
@@ -459,7 +464,7 @@ def _pof2_split(topo: Topology, cal: Calibration, n: int) -> tuple:
     back (a message of n). Returns (p2, seconds of those two extra rounds). The rounds in
     between are modelled on ranks 0 .. p2-1 (MPICH keeps the odd ones of the folded pairs)."""
     p = topo.size
-    p2 = 1 << (p.bit_length() - 1)
+    p2 = _pof2(p)
     if p2 == p:
         return p, 0.0
     return p2, 2 * _step(_pattern(topo, "fold"), cal, n, native=True) + cal.t_native_add(n)
@@ -562,7 +567,7 @@ def link_bytes(algo: str, nbytes: int, topo: Topology, across: str = "ring") -> 
     N = topo.nodes
     if across == "ring":
         return 2 * (N - 1) * nbytes / N
-    n2 = 1 << (N.bit_length() - 1)
+    n2 = _pof2(N)
     if across == "halving":
         stage = 2 * (n2 - 1) * nbytes / n2
     elif across == "doubling":
