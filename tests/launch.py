@@ -18,6 +18,14 @@ def is_open_mpi() -> bool:
     return "Open MPI" in out or "OpenRTE" in out
 
 
+def open_mpi_venv() -> Path | None:
+    """A venv of pip Open MPI for the tests that run the same job under both MPIs:
+    ``$HPCDP_OMPI_VENV``, else the repository's ``.venv-ompi`` (docs/install.md), where it
+    has a python; ``None`` otherwise (those tests then skip)."""
+    venv = Path(os.environ.get("HPCDP_OMPI_VENV") or ROOT / ".venv-ompi")
+    return venv if (venv / "bin" / "python").exists() else None
+
+
 def mpi_env(extra=None) -> dict:
     env = dict(os.environ)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")

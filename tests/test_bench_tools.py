@@ -77,6 +77,19 @@ def test_cluster_rounds_relate_every_algorithm_to_the_ring_and_to_native():
     assert out["ring"]["rounds"] == 2 and out["ring"]["over_ring"] == 1.0
 
 
+
+def test_cluster_rounds_keep_each_mpis_jobs_apart():
+    """Rounds of two MPIs in one file: each algorithm relates to its own MPI's ring."""
+    lines = [dict(_cluster("ring", 0.9, 0.7, 105e6), mpi="MPICH 5.0.2"),
+             dict(_cluster("two_level", 0.6, 0.7, 70e6), mpi="MPICH 5.0.2"),
+             dict(_cluster("ring", 1.2, 0.6, 105e6), mpi="Open MPI 5.0.11"),
+             dict(_cluster("two_level", 0.6, 0.6, 70e6), mpi="Open MPI 5.0.11")]
+    out = {(r["mpi"], r["algo"]): r for r in cluster_rounds.summarise(lines)}
+    assert set(out) == {(m, a) for m in ("MPICH 5.0.2", "Open MPI 5.0.11") for a in ("ring", "two_level")}
+    assert out["MPICH 5.0.2", "two_level"]["over_ring"] == pytest.approx(0.6 / 0.9)
+    assert out["Open MPI 5.0.11", "two_level"]["over_ring"] == pytest.approx(0.6 / 1.2)
+    assert out["Open MPI 5.0.11", "ring"]["rounds"] == 1
+
 def test_validation_bounds_only_points_within_the_cores():
     from hpcdp.comm import costmodel
     one_node = [dict(_line(MiB, 1.0, r, np_=n), ring_time_s=t, shm_time_s=t / 2)

@@ -21,6 +21,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from launch import open_mpi_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 # Load tools/cluster/harness.py by path (tools/ is not a package).
@@ -113,7 +114,7 @@ def test_allreduce_crosses_shaped_links(live):
 
 
 BENCH = ROOT / "tools" / "cluster" / "bench_allreduce.py"
-BENCH_FIELDS = {"algo", "nodes", "ranks_per_node", "placement", "rate", "bytes", "time_s", "native_time_s",
+BENCH_FIELDS = {"algo", "mpi", "nodes", "ranks_per_node", "placement", "rate", "bytes", "time_s", "native_time_s",
                 "internode_bytes_per_node", "native_internode_bytes_per_node", "trials"}
 
 
@@ -186,6 +187,43 @@ def test_bench_allreduce_two_ranks_per_node(live):
     assert set(two) == BENCH_FIELDS and two["time_s"] > 0, out
     assert nbytes <= two["internode_bytes_per_node"] <= 1.10 * nbytes, out  # (+ headers)
     assert lines[2]["error"].startswith("ValueError"), out  # reported, and the job went on
+
+
+@pytest.mark.timeout(180)
+def test_bench_allreduce_under_open_mpi_through_pmix(live):
+    """The same job under pip Open MPI: srun_mpi gives PMIx and the venv's prefixes (pmi2
+    would give four singletons), the ring and two_level over Open MPI's tcp btl get
+    right results and send the same link bytes as under MPICH, and no rank prints the
+    UCX one-sided component's spurious error (env.sh turns that component off)."""
+    venv = open_mpi_venv()
+    if venv is None:
+        pytest.skip("no pip Open MPI venv (.venv-ompi or HPCDP_OMPI_VENV; docs/install.md)")
+    if (live.cpus or len(os.sched_getaffinity(0))) < 2:
+        live.cpus = 2
+        live.up()
+    py = venv / "bin" / "python"
+    assert harness.srun_mpi(PYTHON) == ("pmi2", {})
+    plugin, env = harness.srun_mpi(py)
+    assert (plugin, env) == ("pmix", {"OPAL_PREFIX": str(venv), "PMIX_PREFIX": str(venv)})
+    nbytes = 4 * MiB
+    script = "\n".join([
+        "#!/bin/bash",
+        "#SBATCH -N 2 --ntasks-per-node=2 --time=2",
+        "set -euo pipefail",
+        f". {shlex.quote(str(ENV_SH))}",
+        f"srun --mpi={plugin} -N 2 -n 4 --ntasks-per-node=2 --distribution=block {shlex.quote(str(py))} "
+        f"{shlex.quote(str(BENCH))} --size-mib 4 --algos ring,two_level --iters 2 --count-calls 2 "
+        "--placement block",
+        "",
+    ])
+    rc, out = live.sbatch_wait(script, env=env, timeout=150)
+    assert rc == 0, out
+    lines = bench_lines(out)
+    assert [x["algo"] for x in lines] == ["ring", "two_level"], out
+    assert all(x["mpi"].startswith("Open MPI ") for x in lines), out
+    check_ring_line(lines[0], nbytes, "block", 2, out)
+    assert nbytes <= lines[1]["internode_bytes_per_node"] <= 1.10 * nbytes, out
+    assert "osc_ucx" not in out, out
 
 
 @pytest.mark.timeout(180)

@@ -27,8 +27,10 @@ Ethernet frames, headers and ACKs included, as tc's qdisc counter does.
 
 Rank 0 prints one JSON line per algorithm::
 
-    {"algo", "nodes", "ranks_per_node", "placement", "rate", "bytes", "time_s",
+    {"algo", "mpi", "nodes", "ranks_per_node", "placement", "rate", "bytes", "time_s",
      "native_time_s", "internode_bytes_per_node", "native_internode_bytes_per_node", "trials"}
+
+(``mpi``: the library and version, as mpi4py's ``MPI.get_vendor()`` names them.)
 
 ``rate`` is ``$HPCDP_BENCH_RATE`` (set by the harness), else ``$HPCDP_CLUSTER_RATE`` (what
 env.sh recorded), else null; ``placement`` is ``--placement`` (default
@@ -176,8 +178,9 @@ def run(a) -> int:
     buf = np.empty(count, dtype=np.float32)
     expected = np.float32(p * (p + 1) // 2)
     rate = os.environ.get("HPCDP_BENCH_RATE") or os.environ.get("HPCDP_CLUSTER_RATE") or None
-    head = {"nodes": nodes, "ranks_per_node": per_node, "placement": a.placement, "rate": rate,
-            "bytes": nbytes}
+    vendor, version = MPI.get_vendor()
+    head = {"mpi": f"{vendor} {'.'.join(map(str, version))}", "nodes": nodes, "ranks_per_node": per_node,
+            "placement": a.placement, "rate": rate, "bytes": nbytes}
     status = 0
 
     def native():

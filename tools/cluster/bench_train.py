@@ -4,7 +4,8 @@ emulated nodes of tools/cluster (one rank per node, or ``--ranks-per-node K`` pl
 
 For each rate in ``--rates`` it shapes every node's link (``up.sh --rate``), runs one
 batch job ``srun --mpi=pmi2 -N N -n N*K --distribution=PLACEMENT python -m hpcdp.cli.bench
-BENCH BENCH_ARGS`` (the arguments after ``--``), reads the tc byte counters of every node
+BENCH BENCH_ARGS`` (the arguments after ``--``; ``--mpi=pmix`` where ``--python``'s mpi4py
+loads Open MPI, see ``harness.srun_mpi``), reads the tc byte counters of every node
 before and after, and appends to ``--out`` (JSON lines) every record the benchmark printed,
 with ``rate``, ``nodes``, ``ranks_per_node`` and ``placement`` added, then one check record::
 
@@ -78,7 +79,8 @@ def parse_args(argv):
     return args
 
 
-def job_script(args) -> str:
+def job_script(args, plugin: str) -> str:
+    """The batch script; ``plugin``: srun's ``--mpi`` (:func:`harness.srun_mpi`)."""
     n, k = args.nodes, args.ranks_per_node
     cmd = [args.python, "-m", "hpcdp.cli.bench", args.bench_name, *args.bench]
     return "\n".join([
@@ -87,7 +89,7 @@ def job_script(args) -> str:
         "set -euo pipefail",
         f". {shlex.quote(str(HERE / 'env.sh'))}",
         f"cd {shlex.quote(str(REPO))}",
-        f"srun --mpi=pmi2 -N {n} -n {n * k} --ntasks-per-node={k} --distribution={args.placement} "
+        f"srun --mpi={plugin} -N {n} -n {n * k} --ntasks-per-node={k} --distribution={args.placement} "
         f"{shlex.join(cmd)}",
         "",
     ])
@@ -130,7 +132,8 @@ def main(argv=None) -> int:
     if not ok:
         print(f"bench_train.py: the cluster cannot run here: {why}", file=sys.stderr)
         return 2
-    env = dict(kv.split("=", 1) for kv in args.env)
+    plugin, mpi_env = harness.srun_mpi(args.python)
+    env = {**mpi_env, **dict(kv.split("=", 1) for kv in args.env)}
     env.setdefault("NUMBA_NUM_THREADS", "1")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +145,7 @@ def main(argv=None) -> int:
               f"{was_up.get('HPCDP_CLUSTER_RATE')}); it stays up", file=sys.stderr)
     failed = False
     with cluster as c:
-        script = job_script(args)
+        script = job_script(args, plugin)
         for rate in rates:
             c.set_rate(rate)
             before = {n: c.tc_bytes(n) for n in c.node_names}

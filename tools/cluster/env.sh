@@ -37,9 +37,17 @@ export SLURM_MPI_TYPE="${SLURM_MPI_TYPE:-pmi2}"
 export MPIR_CVAR_CH4_NETMOD="${MPIR_CVAR_CH4_NETMOD:-ofi}"
 export FI_PROVIDER="${FI_PROVIDER:-tcp}"
 
-# pip Open MPI (5.x), should someone use it with `srun --mpi=pmix`: its ob1/tcp btl uses
-# eth0 across nodes by default; skip the ofi btl (1 s MPI_Init delay here) and use
-# PMIx's native security (Slurm asks for munge, which the pip PMIx lacks).
-# (Also set OPAL_PREFIX=PMIX_PREFIX=<venv> for its help files; see docs/cluster.md.)
+# pip Open MPI (5.x) with `srun --mpi=pmix`: its ob1/tcp btl uses eth0 across nodes by
+# default; skip the ofi btl (1 s MPI_Init delay here) and use PMIx's native security
+# (Slurm asks for munge, which the pip PMIx lacks). (Also set OPAL_PREFIX=PMIX_PREFIX=<venv>
+# for its help files; the harness does, see docs/cluster.md.)
 export OMPI_MCA_btl="${OMPI_MCA_btl:-^ofi}"
 export PMIX_MCA_psec="${PMIX_MCA_psec:-native}"
+# Its UCX one-sided component finds no UCX transport here and prints an "Error:" line per
+# window (Open MPI issue 14086); shared windows take the shared-memory one anyway.
+export OMPI_MCA_osc="${OMPI_MCA_osc:-^ucx}"
+# Every node's Slurm CPUs are the same two cores of this machine, so a node that looks
+# fully subscribed to Open MPI is oversubscribed in fact; without yielding, its busy-polling
+# ranks starve each other (a 64 MiB MPI_Allreduce on 2 nodes x 2 ranks took 8.3 s instead
+# of 0.57 s). MPICH yields every 1000 polls by default.
+export OMPI_MCA_mpi_yield_when_idle="${OMPI_MCA_mpi_yield_when_idle:-1}"

