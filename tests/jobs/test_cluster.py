@@ -229,11 +229,13 @@ def test_bench_allreduce_under_open_mpi_through_pmix(live):
 @pytest.mark.timeout(180)
 def test_harness_bench_cli_cyclic_json(live):
     """`harness.py bench --json`: its own cluster (up, one job, down), only JSON on stdout,
-    the placement reaches srun (cyclic doubles the ring's link bytes), the rate the job."""
+    the placement reaches srun (cyclic doubles the ring's link bytes), the rate the job, and
+    a relative --python is found from the job's own directory."""
     cmd = [str(PYTHON), str(ROOT / "tools" / "cluster" / "harness.py"), "bench", "--nodes", "2",
            "--ranks-per-node", "2", "--placement", "cyclic", "--rates", "1gbit", "--size-mib", "4",
-           "--algos", "ring", "--iters", "2", "--json", "--timeout", "120"]
-    r = harness._run(cmd, timeout=170, env=harness._base_env())
+           "--algos", "ring", "--iters", "2", "--json", "--timeout", "120",
+           "--python", os.path.relpath(PYTHON, ROOT)]  # (relative to where it is run, not the job's directory)
+    r = harness._run(cmd, timeout=170, env=harness._base_env(), cwd=ROOT)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert len(lines) == 1, f"stdout must hold only the JSON lines:\n{r.stdout}\n{r.stderr}"

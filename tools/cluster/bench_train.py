@@ -132,6 +132,7 @@ def main(argv=None) -> int:
     if not ok:
         print(f"bench_train.py: the cluster cannot run here: {why}", file=sys.stderr)
         return 2
+    args.python = str(Path(args.python).absolute())  # (the job starts elsewhere; a venv's python is a link)
     plugin, mpi_env = harness.srun_mpi(args.python)
     env = {**mpi_env, **dict(kv.split("=", 1) for kv in args.env)}
     env.setdefault("NUMBA_NUM_THREADS", "1")

@@ -444,7 +444,8 @@ def bench(rates: Sequence[str], size_mib: float = 64, iters: int = 5, nodes: int
     if ranks_per_node < 1 or nodes < 1 or not rates or not algos:
         raise ValueError("need nodes >= 1, ranks_per_node >= 1, a rate and an algorithm")
     log = log or (lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
-    py = Path(python) if python else REPO_ROOT / ".venv" / "bin" / "python"
+    # absolute (the job starts in the cluster's jobs directory), not resolved (a venv's python is a link)
+    py = Path(python).absolute() if python else REPO_ROOT / ".venv" / "bin" / "python"
     plugin, mpi_env = srun_mpi(py)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     cpus = ranks_per_node if ranks_per_node > cores else None  # None: up.sh's default (nproc)
