@@ -36,7 +36,8 @@ def summarise(lines: list[dict], base: str = "ring") -> list[dict]:
         mpi, nodes, rpn, placement, rate, nbytes, algo = k
         ring, other = med.get(k[:6] + ("ring",)), med.get(k[:6] + (base,))
         m = med[k]
-        out.append({"bench": "cluster-allreduce-rounds", "mpi": mpi, "nodes": nodes, "ranks_per_node": rpn,
+        out.append({"bench": "cluster-allreduce-rounds", **({"mpi": mpi} if mpi else {}), "nodes": nodes,
+                    "ranks_per_node": rpn,
                     "placement": placement, "rate": rate, "bytes": nbytes, "algo": algo, **m,
                     "over_ring": None if ring is None else m["time_s"] / ring["time_s"],
                     "base": base, "over_base": None if other is None else m["time_s"] / other["time_s"],

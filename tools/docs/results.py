@@ -140,6 +140,20 @@ SPECS = {
             ("/ flat ring", "over_ring", "ratio"), ("/ native", "over_native", "ratio"),
             ("link MB/node", "internode_bytes_per_node", "mb"), ("link bytes / ring's", "bytes_over_ring", "ratio")],
     },
+    "cluster-allreduce-ompi": {
+        "file": "cluster-allreduce-ompi.jsonl",
+        "command": "for cfg in '2 1 block' '2 2 block' '2 2 cyclic' '3 1 block' '3 2 block'; do set -- $cfg; "
+                   "for r in 1 2 3 4 5; do python tools/cluster/harness.py bench --python .venv-ompi/bin/python "
+                   "--nodes $1 --ranks-per-node $2 --placement $3 --rates 1gbit --size-mib 64 "
+                   "--algos ring,two_level,auto --iters 3 --json; done; done "
+                   "> docs/results/cluster-allreduce-ompi-raw.jsonl; python3 tools/cluster/rounds.py "
+                   "docs/results/cluster-allreduce-ompi-raw.jsonl > docs/results/cluster-allreduce-ompi.jsonl",
+        "where": {"bench": "cluster-allreduce-rounds"},
+        "columns": [("MPI", "mpi", "str")] + _POINT_COLUMNS + [
+            ("time (ms)", "time_s", "ms"), ("native (ms)", "native_time_s", "ms"),
+            ("/ flat ring", "over_ring", "ratio"), ("/ native", "over_native", "ratio"),
+            ("link MB/node", "internode_bytes_per_node", "mb"), ("link bytes / ring's", "bytes_over_ring", "ratio")],
+    },
     "cluster-across": {
         "file": "cluster-across.jsonl",
         "command": "for r in 1 2 3 4 5; do for cfg in '4 1' '2 2'; do set -- $cfg; for rate in 10gbit 1gbit; do "
