@@ -199,11 +199,10 @@ def _across(rt, cross, window, buf, comp, state, slices: int):
         return functools.partial(plain_across, cross, buf, rt.size, tmp, _cfg, rt.across_kind)
     if comp.collective == "two_phase":
         return functools.partial(twophase_across, cross, comp, state, buf.ops, rt.size)
-    wire_dtype = np.dtype(comp.wire_dtype)
-    return functools.partial(codec_across, cross, comp,
-                             rt.scratch("wire", slice_elements(window, buf, slices), wire_dtype),
-                             rt.size, rt.scratch("wire-tmp", _slots(wire_dtype.itemsize), wire_dtype),
-                             _cfg)
+    wire_dtype, n = np.dtype(comp.wire_dtype), slice_elements(window, buf, slices)
+    return functools.partial(codec_across, cross, comp, rt.scratch("wire", n, wire_dtype), rt.size,
+                             rt.scratch("wire-tmp", max(_slots(wire_dtype.itemsize), n), wire_dtype),
+                             _cfg, rt.across_kind)
 
 
 def _codec_frames(rt, buf, comp, space, scale: float):
@@ -338,7 +337,8 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     model's pick for the size and topology, see :mod:`hpcdp.comm.costmodel`); default
     ``$HPCDP_ALGO`` or ``"auto"``. It applies to host buffers; device buffers keep the
     ring. Compression composes with ``"two_level"``: fp16, bf16 and 1-bit compress its
-    stage across nodes only (the sums inside a node stay exact); PowerSGD's two sums of
+    stage across nodes only (the sums inside a node stay exact; fp16 and bf16 by the stage
+    the cost model picks for their frames' bytes); PowerSGD's two sums of
     factors take what ``algo`` picks for their sizes. Elsewhere compressed calls take the
     ring (fp16, bf16) or their own exchange (1-bit).
     ``x`` must not be touched until the handle completes.

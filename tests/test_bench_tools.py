@@ -78,17 +78,22 @@ def test_cluster_rounds_relate_every_algorithm_to_the_ring_and_to_native():
 
 
 
-def test_cluster_rounds_keep_each_mpis_jobs_apart():
-    """Rounds of two MPIs in one file: each algorithm relates to its own MPI's ring."""
+def test_cluster_rounds_keep_each_mpis_and_compressions_jobs_apart():
+    """Rounds of two MPIs and a compressed run in one file: each algorithm relates to its own
+    MPI's and compression's ring."""
     lines = [dict(_cluster("ring", 0.9, 0.7, 105e6), mpi="MPICH 5.0.2"),
              dict(_cluster("two_level", 0.6, 0.7, 70e6), mpi="MPICH 5.0.2"),
              dict(_cluster("ring", 1.2, 0.6, 105e6), mpi="Open MPI 5.0.11"),
-             dict(_cluster("two_level", 0.6, 0.6, 70e6), mpi="Open MPI 5.0.11")]
-    out = {(r["mpi"], r["algo"]): r for r in cluster_rounds.summarise(lines)}
-    assert set(out) == {(m, a) for m in ("MPICH 5.0.2", "Open MPI 5.0.11") for a in ("ring", "two_level")}
-    assert out["MPICH 5.0.2", "two_level"]["over_ring"] == pytest.approx(0.6 / 0.9)
-    assert out["Open MPI 5.0.11", "two_level"]["over_ring"] == pytest.approx(0.6 / 1.2)
-    assert out["Open MPI 5.0.11", "ring"]["rounds"] == 1
+             dict(_cluster("two_level", 0.6, 0.6, 70e6), mpi="Open MPI 5.0.11"),
+             dict(_cluster("ring", 0.5, 0.7, 53e6), mpi="MPICH 5.0.2", compression="fp16"),
+             dict(_cluster("two_level", 0.3, 0.7, 35e6), mpi="MPICH 5.0.2", compression="fp16")]
+    out = {(r["mpi"], r.get("compression"), r["algo"]): r for r in cluster_rounds.summarise(lines)}
+    assert set(out) == {(m, c, a) for m, c in (("MPICH 5.0.2", None), ("Open MPI 5.0.11", None),
+                                               ("MPICH 5.0.2", "fp16")) for a in ("ring", "two_level")}
+    assert out["MPICH 5.0.2", None, "two_level"]["over_ring"] == pytest.approx(0.6 / 0.9)
+    assert out["Open MPI 5.0.11", None, "two_level"]["over_ring"] == pytest.approx(0.6 / 1.2)
+    assert out["MPICH 5.0.2", "fp16", "two_level"]["over_ring"] == pytest.approx(0.3 / 0.5)
+    assert out["Open MPI 5.0.11", None, "ring"]["rounds"] == 1
 
 def test_validation_bounds_only_points_within_the_cores():
     from hpcdp.comm import costmodel

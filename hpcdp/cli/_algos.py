@@ -8,16 +8,16 @@ import functools
 __all__ = ["allreduce_by"]
 
 
-def allreduce_by(name: str, buf, check: bool):
-    """A no-argument call of ``hpcdp.allreduce(buf)`` by algorithm ``name``. Every rank must
-    time the same names in the same order (the stage is set on each rank's runtime for the
-    call, as the environment variable would be)."""
+def allreduce_by(name: str, buf, check: bool, compression: str | None = None):
+    """A no-argument call of ``hpcdp.allreduce(buf, compression=compression)`` by algorithm
+    ``name``. Every rank must time the same names in the same order (the stage is set on
+    each rank's runtime for the call, as the environment variable would be)."""
     import hpcdp
     from hpcdp._runtime import runtime
     from hpcdp.comm.costmodel import ACROSS
     algo, _, stage = name.partition(":")
     if not stage:
-        return functools.partial(hpcdp.allreduce, buf, check=check, algo=algo)
+        return functools.partial(hpcdp.allreduce, buf, check=check, algo=algo, compression=compression)
     if algo != "two_level" or stage not in ACROSS:
         raise ValueError(f"{name!r}: a stage across nodes is named as two_level:<stage>, "
                          f"<stage> one of {', '.join(ACROSS)}")
@@ -26,7 +26,7 @@ def allreduce_by(name: str, buf, check: bool):
     def call():
         saved, rt.across = rt.across, stage
         try:
-            hpcdp.allreduce(buf, check=check, algo=algo)
+            hpcdp.allreduce(buf, check=check, algo=algo, compression=compression)
         finally:
             rt.across = saved
     return call

@@ -27,15 +27,34 @@ Let ``p2`` be the largest power of two <= p and ``rem = p - p2``.
 :class:`DoublingSchedule` is the index arithmetic (no MPI, no arrays), :func:`simulate`
 replays it in one process (the tests' oracle), :func:`doubling_allreduce` runs it as a
 generator (the ring's conventions: it yields the requests it needs completed).
+
+**With a ring codec** (fp16, bf16: :func:`codec_doubling_allreduce`, :func:`simulate_codec`),
+float32 data, frames of the codec's wire type on the wire, float32 accumulation:
+
+1. every rank multiplies its data by ``scale`` (1 / N for an average);
+2. fold: the frame of rank ``2i``'s data, decoded and added by rank ``2i + 1``;
+3. ``doubling``: each round both partners send the frame of their whole buffer and set it
+   to ``decode(own frame) + decode(partner's frame)``: the same two operands on both
+   sides, so the same bits (a rank's own contribution is rounded to the wire type as the
+   partner's is, once per round: ``log2 p`` roundings, against the ring's ``p - 1``);
+   ``halving``: each round sends the frame of the half it gives away and adds the decoded
+   frame of the half it keeps; the owner of a block then encodes it once and decodes its
+   own frame (owner computes), the allgather moves frames into place, and every rank
+   decodes them: all hold ``decode(frame)`` of every block;
+4. unfold: doubling's result is float32 (not a frame), so it goes back as float32;
+   halving's as the frames.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 
+import numpy as np
+
 from .schedule import chunk_bounds
 
-__all__ = ["KINDS", "DoublingSchedule", "doubling_allreduce", "simulate"]
+__all__ = ["KINDS", "DoublingSchedule", "doubling_allreduce", "codec_doubling_allreduce", "simulate",
+           "simulate_codec"]
 
 #: the algorithms of this module
 KINDS = ("doubling", "halving")
@@ -168,6 +187,65 @@ def simulate(arrays, kind: str, add=None):
     return bufs
 
 
+def simulate_codec(arrays, kind: str, codec, scale: float = 1.0):
+    """:func:`simulate` for :func:`codec_doubling_allreduce`: float32 ``arrays`` through
+    ``codec``'s frames (the module docstring's steps), the results of every rank."""
+    p = len(arrays)
+    bufs = [np.multiply(a, np.float32(scale)) if scale != 1.0 else a.astype(np.float32) for a in arrays]
+    n = len(bufs[0])
+    if p == 1:  # (nothing to exchange: the data as it is, as the generator leaves it)
+        return bufs
+    scheds = [DoublingSchedule(n, p, r, kind) for r in range(p)]
+    frame = functools.partial(_frame, codec)
+    for s in scheds:  # fold
+        if s.fold is not None and s.fold[0] == "recv":
+            codec.decode(frame(bufs[s.fold[1]]), bufs[s.rank], accumulate=True)
+    steps = max(len(s.rounds) for s in scheds)
+    for k in range(steps):
+        sent = {(s.rank, step[0]): frame(bufs[s.rank][step[1]:step[2]])
+                for s in scheds for step in s.rounds[k:k + 1]}
+        for s in scheds:
+            for peer, slo, shi, rlo, rhi in s.rounds[k:k + 1]:
+                got, acc = sent[peer, s.rank], bufs[s.rank][rlo:rhi]
+                if kind == "doubling":
+                    codec.decode(sent[s.rank, peer], acc)
+                codec.decode(got, acc, accumulate=True)
+    if kind == "halving":
+        wires = []
+        for s in scheds:
+            if s.vrank is None:
+                wires.append(None)
+                continue
+            lo, hi = _own_block(s)
+            w = np.empty(n, dtype=codec.wire_dtype)
+            w[lo:hi] = frame(bufs[s.rank][lo:hi])
+            wires.append(w)
+        for k in range(max(len(s.gather) for s in scheds)):
+            moves = [(s.rank, step, wires[s.rank][step[1]:step[2]].copy())
+                     for s in scheds for step in s.gather[k:k + 1]]
+            for rank, (peer, _, _, rlo, rhi), _ in moves:
+                wires[rank][rlo:rhi] = next(d for src, st, d in moves if src == peer and st[0] == rank)
+        for s in scheds:
+            if wires[s.rank] is not None:
+                codec.decode(wires[s.rank], bufs[s.rank])
+    for s in scheds:  # unfold
+        if s.unfold is not None and s.unfold[0] == "recv":
+            bufs[s.rank][:] = bufs[s.unfold[1]]
+    return bufs
+
+
+def _frame(codec, x):
+    out = np.empty(len(x), dtype=codec.wire_dtype)
+    codec.encode(x, out=out)
+    return out
+
+
+def _own_block(s: DoublingSchedule) -> tuple[int, int]:
+    """Halving: the range this (virtual) rank owns after the reduction, the last round's
+    kept half (the whole buffer when there is no round)."""
+    return (s.rounds[-1][3], s.rounds[-1][4]) if s.rounds else (0, s.n)
+
+
 def _iadd(dst, src):
     dst += src
 
@@ -202,6 +280,64 @@ def doubling_allreduce(ctx, data, ops, tmp, kind: str):
     if s.unfold is not None:
         yield from _whole(ctx, s.unfold, data, data, None, step, "unfold")
     ctx.count(s.elements("send") * size, s.elements("recv") * size)
+
+
+def codec_doubling_allreduce(ctx, data, codec, wire, tmp, kind: str, scale: float = 1.0):
+    """Generator: sum float32 host array ``data`` in place over ``ctx``'s ranks by ``kind``,
+    moving ring codec ``codec``'s frames (see the module docstring), each rank's data
+    multiplied by ``scale`` first. ``wire``, ``tmp``: flat arrays of the codec's wire type,
+    at least ``len(data)`` elements each (this rank's frames; received frames). Steps
+    reported as :func:`doubling_allreduce`'s, with the bytes of the frames."""
+    n = len(data)
+    if ctx.size == 1 or n == 0:
+        return
+    s = _schedule(n, ctx.size, ctx.rank, kind)
+    size = wire.itemsize
+    ctx.step_started()
+    if scale != 1.0:
+        np.multiply(data, np.float32(scale), out=data)
+    step, sent, recv = 0, 0, 0
+    if s.fold is not None:  # 2.
+        how, peer = s.fold
+        ctx.at("fold", peer)
+        if how == "send":
+            codec.encode(data, out=wire[:n])
+            yield ctx.isend(wire[:n], peer)
+            sent += n * size
+        else:
+            yield ctx.irecv(tmp[:n], peer)
+            codec.decode(tmp[:n], data, accumulate=True)
+            recv += n * size
+        ctx.step_done(step, n * size if how == "send" else 0, n * size if how == "recv" else 0)
+        step += 1
+    for k, (peer, slo, shi, rlo, rhi) in enumerate(s.rounds):  # 3.
+        ctx.at(f"{kind}: reduce", peer, k)
+        codec.encode(data[slo:shi], out=wire[slo:shi])
+        yield from _swap(ctx, peer, wire[slo:shi], tmp[:rhi - rlo])
+        if kind == "doubling":
+            codec.decode(wire[:n], data)
+        codec.decode(tmp[:rhi - rlo], data[rlo:rhi], accumulate=True)
+        ctx.step_done(step, (shi - slo) * size, (rhi - rlo) * size)
+        sent, recv, step = sent + (shi - slo) * size, recv + (rhi - rlo) * size, step + 1
+    if kind == "halving" and s.vrank is not None:
+        lo, hi = _own_block(s)
+        codec.encode(data[lo:hi], out=wire[lo:hi])
+        for k, (peer, slo, shi, rlo, rhi) in enumerate(s.gather):
+            ctx.at(f"{kind}: gather", peer, k)
+            yield from _swap(ctx, peer, wire[slo:shi], wire[rlo:rhi])
+            ctx.step_done(step, (shi - slo) * size, (rhi - rlo) * size)
+            sent, recv, step = sent + (shi - slo) * size, recv + (rhi - rlo) * size, step + 1
+        codec.decode(wire[:n], data)
+    if s.unfold is not None:  # 4.
+        how, peer = s.unfold
+        ctx.at("unfold", peer)
+        msg = wire[:n] if kind == "halving" else data
+        yield (ctx.isend if how == "send" else ctx.irecv)(msg, peer)
+        if how == "recv" and kind == "halving":
+            codec.decode(msg, data)
+        ctx.step_done(step, msg.nbytes if how == "send" else 0, msg.nbytes if how == "recv" else 0)
+        sent, recv = (sent + msg.nbytes, recv) if how == "send" else (sent, recv + msg.nbytes)
+    ctx.count(sent, recv)
 
 
 def _swap(ctx, peer: int, send, recv):

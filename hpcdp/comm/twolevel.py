@@ -33,10 +33,11 @@ the node's partial sums stay exact:
   says it is faster for the slice's size, recursive doubling or halving-doubling
   (:mod:`hpcdp.comm.doubling`: ``log2(nodes)`` rounds where the ring takes
   ``2 (nodes - 1)`` steps);
-* :func:`codec_across`: a ring codec (fp16, bf16): each hop of the cross ring decodes,
-  adds in float32 and re-encodes (:class:`~hpcdp.comm.ring.CodecFrames`, every partial sum
-  scaled by ``1 / total`` for an average), and the owner's decoded frame is what every
-  node copies out;
+* :func:`codec_across`: a ring codec (fp16, bf16), by the stage the cost model picks for the
+  frames' bytes, as above: on the ring each hop decodes, adds in float32 and re-encodes
+  (:class:`~hpcdp.comm.ring.CodecFrames`, every partial sum scaled by ``1 / total`` for an
+  average), and the owner's decoded frame is what every node copies out; recursive
+  doubling and halving move frames too (:func:`~hpcdp.comm.doubling.codec_doubling_allreduce`);
 * :func:`twophase_across`: a two-phase codec (1-bit), over the slice's node sums, with one
   error-feedback state per segment's slice (:meth:`~hpcdp.compress.memory.OneBitState.part`):
   every node decodes the same server frames.
@@ -51,7 +52,7 @@ copy out).
 from __future__ import annotations
 
 from .buffers import Buffer
-from .doubling import doubling_allreduce
+from .doubling import codec_doubling_allreduce, doubling_allreduce
 from .nodewin import node_round
 from .ring import CodecFrames, PlainFrames, ring_allreduce
 from .schedule import chunk_bounds
@@ -155,13 +156,20 @@ def plain_across(cross, buf, total: int, tmp, cfg, pick, acc, start: int, scale:
         buf.ops.scale(acc, total)
 
 
-def codec_across(cross, codec, wire, total: int, tmp, cfg, acc, start: int, scale: bool):
-    """Generator: ring codec ``codec``'s frames over float32 ``acc``; ``wire``: the frames'
-    memory (at least :func:`slice_elements` elements), ``tmp``: receive slots of frames."""
+def codec_across(cross, codec, wire, total: int, tmp, cfg, pick, acc, start: int, scale: bool):
+    """Generator: ring codec ``codec``'s frames over float32 ``acc`` by what
+    ``pick(frame bytes)`` names (as :func:`plain_across`); ``wire``: the frames' memory,
+    ``tmp``: received frames (the ring's slots), each at least :func:`slice_elements`
+    elements."""
     n = len(acc)
-    cross.at(f"two-level allreduce: {codec.name} ring across nodes")
-    frames = CodecFrames(codec, acc, wire[:n], wire[:n], 1.0 / total if scale else 1.0, HOST)
-    yield from ring_allreduce(cross, n, frames, tmp, cfg, wire.itemsize)
+    how = pick(n * wire.itemsize) if cross.size > 1 else "ring"
+    cross.at(f"two-level allreduce: {codec.name} {how} across nodes")
+    factor = 1.0 / total if scale else 1.0
+    if how == "ring":
+        frames = CodecFrames(codec, acc, wire[:n], wire[:n], factor, HOST)
+        yield from ring_allreduce(cross, n, frames, tmp, cfg, wire.itemsize)
+    else:
+        yield from codec_doubling_allreduce(cross, acc, codec, wire[:n], tmp, how, factor)
 
 
 def twophase_across(cross, codec, state, ops, total: int, acc, start: int, scale: bool):

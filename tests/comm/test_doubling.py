@@ -4,7 +4,8 @@ those of the algorithms (log2 p whole buffers; 2 (p - 1) / p of it, as the ring)
 import numpy as np
 import pytest
 
-from hpcdp.comm.doubling import KINDS, DoublingSchedule, simulate
+from hpcdp.comm.doubling import KINDS, DoublingSchedule, simulate, simulate_codec
+from hpcdp.compress.halfprec import HalfPrecision
 
 SIZES = range(1, 10)
 LENGTHS = [0, 1, 3, 7, 17, 1001]
@@ -21,6 +22,32 @@ def test_every_rank_ends_with_the_same_bits_and_the_sum(kind, p):
             assert np.array_equal(o.view(np.uint32), out[0].view(np.uint32)), f"{kind} p={p} n={n} rank {r}"
         ref = np.sum(np.array(xs, dtype=np.float64), axis=0)
         assert np.allclose(out[0], ref, rtol=1e-5, atol=1e-4), f"{kind} p={p} n={n}"
+
+
+@pytest.mark.parametrize("wire, tol", [("fp16", 2e-3), ("bf16", 2e-2)])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("p", SIZES)
+def test_with_a_codec_every_rank_ends_with_the_same_bits_and_the_sum(kind, p, wire, tol):
+    """Frames on the wire, float32 sums: the same bits everywhere (doubling: both partners add
+    the two decoded frames; halving: every block decoded from its owner's frame), within the
+    wire type's rounding of the float64 average; halving's results are frames' values."""
+    codec = HalfPrecision(wire)
+    rng = np.random.default_rng(10 + p)
+    for n in LENGTHS:
+        xs = [(rng.standard_normal(n) * 4).astype(np.float32) for _ in range(p)]
+        out = simulate_codec(xs, kind, codec, scale=1.0 / p)
+        for r, o in enumerate(out):
+            assert o.dtype == np.float32 and len(o) == n
+            assert np.array_equal(o.view(np.uint32), out[0].view(np.uint32)), f"{kind} p={p} n={n} rank {r}"
+        ref = np.mean(np.array(xs, dtype=np.float64), axis=0)
+        scale = np.abs(np.array(xs)).max(initial=1.0)
+        assert np.allclose(out[0], ref, rtol=0, atol=tol * scale), f"{kind} {wire} p={p} n={n}"
+        if kind == "halving" and p > 1:
+            frames = np.empty(n, codec.wire_dtype)
+            codec.encode(out[0], out=frames)
+            back = np.empty(n, np.float32)
+            codec.decode(frames, back)
+            assert np.array_equal(back, out[0]), f"{kind} {wire} p={p} n={n}: not a frame's values"
 
 
 @pytest.mark.parametrize("p", SIZES)

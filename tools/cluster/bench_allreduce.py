@@ -30,7 +30,8 @@ Rank 0 prints one JSON line per algorithm::
     {"algo", "mpi", "nodes", "ranks_per_node", "placement", "rate", "bytes", "time_s",
      "native_time_s", "internode_bytes_per_node", "native_internode_bytes_per_node", "trials"}
 
-(``mpi``: the library and version, as mpi4py's ``MPI.get_vendor()`` names them.)
+(``mpi``: the library and version, as mpi4py's ``MPI.get_vendor()`` names them; with
+``--compression C`` also ``"compression": C``: every hpcdp call compressed, native float32.)
 
 ``rate`` is ``$HPCDP_BENCH_RATE`` (set by the harness), else ``$HPCDP_CLUSTER_RATE`` (what
 env.sh recorded), else null; ``placement`` is ``--placement`` (default
@@ -72,6 +73,8 @@ def parse_args(argv):
     ap.add_argument("--algos", default="ring", help="comma-separated hpcdp.allreduce algo names "
                     "(two_level:<stage>: two_level with its stage across nodes forced)")
     ap.add_argument("--iters", type=int, default=5, help="timed trials (pairs: algo, native)")
+    ap.add_argument("--compression", default=None,
+                    help="hpcdp.allreduce's compression for every algorithm (e.g. fp16; native stays float32)")
     ap.add_argument("--count-calls", type=int, default=2,
                     help="calls of each algorithm in its byte-counted phase")
     ap.add_argument("--placement", default=os.environ.get("HPCDP_BENCH_PLACEMENT", "block"),
@@ -180,14 +183,15 @@ def run(a) -> int:
     rate = os.environ.get("HPCDP_BENCH_RATE") or os.environ.get("HPCDP_CLUSTER_RATE") or None
     vendor, version = MPI.get_vendor()
     head = {"mpi": f"{vendor} {'.'.join(map(str, version))}", "nodes": nodes, "ranks_per_node": per_node,
-            "placement": a.placement, "rate": rate, "bytes": nbytes}
+            "placement": a.placement, "rate": rate, "bytes": nbytes,
+            **({"compression": a.compression} if a.compression else {})}
     status = 0
 
     def native():
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
     def ours(algo):
-        return allreduce_by(algo, buf, False)
+        return allreduce_by(algo, buf, False, a.compression)
 
     def timed(call) -> tuple[float, bool]:
         """One call from a filled buffer: (slowest rank's seconds, result right everywhere)."""

@@ -425,7 +425,8 @@ class Cluster:
 def bench(rates: Sequence[str], size_mib: float = 64, iters: int = 5, nodes: int = 2,
           python: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
           timeout: float = 300.0, ranks_per_node: int = 1, placement: str = "block",
-          algos: Sequence[str] = ("ring",), count_calls: int = 2, log=None) -> list[dict]:
+          algos: Sequence[str] = ("ring",), count_calls: int = 2, compression: str | None = None,
+          log=None) -> list[dict]:
     """Time hpcdp's allreduce algorithms next to native MPI_Allreduce on the cluster.
 
     Brings the cluster up (``nodes`` nodes, enough Slurm CPUs for ``ranks_per_node``),
@@ -460,7 +461,7 @@ def bench(rates: Sequence[str], size_mib: float = 64, iters: int = 5, nodes: int
             c.set_rate(rate)
             cmd = [str(py), str(HERE / "bench_allreduce.py"), "--size-mib", f"{size_mib:g}",
                    "--algos", ",".join(algos), "--iters", str(iters), "--count-calls", str(count_calls),
-                   "--placement", placement]
+                   "--placement", placement] + (["--compression", compression] if compression else [])
             script = (f"#!/bin/bash\n#SBATCH -N {nodes} --ntasks-per-node={ranks_per_node} "
                       f"--time={minutes}\nset -euo pipefail\n"
                       f". {shlex.quote(str(ENV_SH))}\n"
@@ -520,6 +521,7 @@ def _main(argv: list[str]) -> int:
     b.add_argument("--placement", choices=("block", "cyclic"), default="block",
                    help="srun --distribution: block puts ranks 0..K-1 on node1, cyclic alternates nodes")
     b.add_argument("--algos", default="ring", help="comma-separated hpcdp.allreduce algo names")
+    b.add_argument("--compression", default=None, help="hpcdp.allreduce's compression (native stays float32)")
     b.add_argument("--json", action="store_true", help="print only the JSON lines on stdout")
     b.add_argument("--timeout", type=float, default=300, help="per job, seconds")
     b.add_argument("--python", default=None, help="python with mpi4py (default: <repo>/.venv)")
@@ -537,7 +539,8 @@ def _main(argv: list[str]) -> int:
     try:
         rows = bench([r for r in a.rates.split(",") if r], a.size_mib, a.iters, a.nodes, a.python, extra,
                      timeout=a.timeout, ranks_per_node=a.ranks_per_node, placement=a.placement,
-                     algos=[x for x in a.algos.split(",") if x], count_calls=a.count_calls)
+                     algos=[x for x in a.algos.split(",") if x], count_calls=a.count_calls,
+                     compression=a.compression)
     except (ClusterError, ValueError) as e:
         print(f"[bench] FAILED: {e}", file=sys.stderr, flush=True)
         return 1

@@ -4,7 +4,7 @@ and job; run the job once per round) per configuration and algorithm:
 
     python3 tools/cluster/rounds.py [--base ALGO] raw.jsonl > summary.jsonl
 
-One line per (MPI, nodes, ranks per node, placement, rate, algorithm, size): the median time and
+One line per (MPI, compression, nodes, ranks per node, placement, rate, algorithm, size): the median time and
 native time over rounds, ``over_ring`` (median time / the flat ring's median time in the same
 configuration), ``over_base`` (the same against ``--base``'s, default ``ring``; e.g.
 ``two_level:ring`` to compare two_level's stages across nodes), ``over_native`` (median over
@@ -23,7 +23,8 @@ def summarise(lines: list[dict], base: str = "ring") -> list[dict]:
     for r in lines:
         if "error" in r or "time_s" not in r:
             continue
-        key = (r.get("mpi"), r["nodes"], r["ranks_per_node"], r["placement"], r["rate"], r["bytes"])
+        key = (r.get("mpi"), r.get("compression"), r["nodes"], r["ranks_per_node"], r["placement"], r["rate"],
+               r["bytes"])
         groups.setdefault(key + (r["algo"],), []).append(r)
     med = {k: {"time_s": statistics.median(x["time_s"] for x in rs),
                "native_time_s": statistics.median(x["native_time_s"] for x in rs),
@@ -33,10 +34,11 @@ def summarise(lines: list[dict], base: str = "ring") -> list[dict]:
            for k, rs in groups.items()}
     out = []
     for k in sorted(med, key=lambda k: tuple(map(str, k))):
-        mpi, nodes, rpn, placement, rate, nbytes, algo = k
-        ring, other = med.get(k[:6] + ("ring",)), med.get(k[:6] + (base,))
+        mpi, compression, nodes, rpn, placement, rate, nbytes, algo = k
+        ring, other = med.get(k[:7] + ("ring",)), med.get(k[:7] + (base,))
         m = med[k]
-        out.append({"bench": "cluster-allreduce-rounds", **({"mpi": mpi} if mpi else {}), "nodes": nodes,
+        out.append({"bench": "cluster-allreduce-rounds", **({"mpi": mpi} if mpi else {}),
+                    **({"compression": compression} if compression else {}), "nodes": nodes,
                     "ranks_per_node": rpn,
                     "placement": placement, "rate": rate, "bytes": nbytes, "algo": algo, **m,
                     "over_ring": None if ring is None else m["time_s"] / ring["time_s"],
