@@ -29,8 +29,8 @@ Run as root from the repository root, e.g. (the commands of docs/performance.md)
 
 The cluster is brought up if it is down and torn down at the end (``--keep``: leave it
 up). A cluster that was already up is used as it is, then reshaped back to its
-rate and left up. The job gets ``NUMBA_NUM_THREADS=1`` (the nodes share this
-machine's cores; ``--env NUMBA_NUM_THREADS=2`` overrides) and every ``--env K=V``.
+rate and left up. The job gets every ``--env K=V`` (over env.sh's settings, e.g. its
+``NUMBA_NUM_THREADS=1``: the nodes share this machine's cores).
 The cluster's own knobs (``HPCDP_CLUSTER_DIR``, ``HPCDP_CLUSTER_SUBNET``, ...) come
 from the environment, as for up.sh.
 """
@@ -135,7 +135,6 @@ def main(argv=None) -> int:
     args.python = str(Path(args.python).absolute())  # (the job starts elsewhere; a venv's python is a link)
     plugin, mpi_env = harness.srun_mpi(args.python)
     env = {**mpi_env, **dict(kv.split("=", 1) for kv in args.env)}
-    env.setdefault("NUMBA_NUM_THREADS", "1")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     cluster = harness.Cluster(rate=rates[0], nodes=args.nodes, keep=args.keep)

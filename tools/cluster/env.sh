@@ -51,6 +51,11 @@ export OMPI_MCA_osc="${OMPI_MCA_osc:-^ucx}"
 # ranks starve each other (a 64 MiB MPI_Allreduce on 2 nodes x 2 ranks took 8.3 s instead
 # of 0.57 s). MPICH yields every 1000 polls by default.
 export OMPI_MCA_mpi_yield_when_idle="${OMPI_MCA_mpi_yield_when_idle:-1}"
+# hpcdp's compression kernels: one thread per rank. hpcdp gives a rank its node's CPUs
+# divided by the node's ranks, but every emulated node's CPUs are the same two cores of this
+# machine: 4 nodes x 1 rank ran 8 kernel threads on 2 cores, and a 64 KiB fp16 allreduce
+# took 166 ms instead of 1.9 ms. (HPCDP_CLUSTER_PIN=1 gives nodes disjoint cores instead.)
+export NUMBA_NUM_THREADS="${NUMBA_NUM_THREADS:-1}"
 # Large messages over its tcp btl without the emulated RDMA put (the btl's "put" flag): with
 # it, every message above 64 KiB waits for a put request from the receiver, which queues
 # behind the receiver's own bulk data on a loaded link; a flat ring's 64 MiB allreduce on
