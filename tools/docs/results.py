@@ -170,6 +170,22 @@ SPECS = {
                     ("/ two_level:ring", "over_base", "ratio"), ("/ native", "over_native", "ratio"),
                     ("link KB/node", "internode_bytes_per_node", "kb")],
     },
+    "cluster-across-fp16": {
+        "file": "cluster-across-fp16.jsonl",
+        "command": "for r in 1 2 3 4 5; do for cfg in '4 1' '2 2'; do set -- $cfg; for rate in 10gbit 1gbit; do "
+                   "for size in 0.0625 1; do python tools/cluster/harness.py bench --nodes $1 --ranks-per-node $2 "
+                   "--rates $rate --size-mib $size --algos ring,two_level:ring,two_level:doubling,"
+                   "two_level:halving,auto --iters 5 --compression fp16 --env HPCDP_CALIBRATION=$PWD/docs/results/"
+                   "calibration-cluster.json --json; done; done; done; done > docs/results/cluster-across-fp16-raw.jsonl; "
+                   "python3 tools/cluster/rounds.py --base two_level:ring docs/results/cluster-across-fp16-raw.jsonl "
+                   "> docs/results/cluster-across-fp16.jsonl",
+        "where": {"bench": "cluster-allreduce-rounds"},
+        "columns": [("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "int"), ("link", "rate", "str"),
+                    ("size", "bytes", "size"), ("compression", "compression", "str"), ("algo", "algo", "str"),
+                    ("rounds", "rounds", "int"), ("time (us)", "time_s", "us"), ("native (us)", "native_time_s", "us"),
+                    ("/ two_level:ring", "over_base", "ratio"), ("/ native", "over_native", "ratio"),
+                    ("link KB/node", "internode_bytes_per_node", "kb")],
+    },
     "cluster-ddp": {
         "file": "cluster-ddp.jsonl",
         "command": _CLUSTER_DDP,
