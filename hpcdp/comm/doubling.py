@@ -158,6 +158,15 @@ def _schedule(n: int, size: int, rank: int, kind: str) -> DoublingSchedule:
     return DoublingSchedule(n, size, rank, kind)
 
 
+def _begin(ctx, n: int, kind: str) -> DoublingSchedule | None:
+    """This rank's schedule for a call of ``n`` elements, its steps started; ``None`` when
+    there is nothing to exchange (one rank, no element)."""
+    if ctx.size == 1 or n == 0:
+        return None
+    ctx.step_started()
+    return _schedule(n, ctx.size, ctx.rank, kind)
+
+
 def simulate(arrays, kind: str, add=None):
     """Run ``kind`` on ``len(arrays)`` in-memory copies and return the results (the bits
     the MPI version must produce on every rank). ``add(dst, src)``: the in-place reduction
@@ -256,12 +265,10 @@ def doubling_allreduce(ctx, data, ops, tmp, kind: str):
     ``tmp``: a flat array of ``data``'s dtype with at least
     :attr:`DoublingSchedule.tmp_elements` elements. Steps reported to ``ctx.on_step``: the
     fold, each round, each gather round and the unfold, numbered in that order."""
-    n = len(data)
-    if ctx.size == 1 or n == 0:
+    n, size = len(data), data.itemsize
+    s = _begin(ctx, n, kind)
+    if s is None:
         return
-    s = _schedule(n, ctx.size, ctx.rank, kind)
-    size = data.itemsize
-    ctx.step_started()
     step = 0
     if s.fold is not None:
         step = yield from _whole(ctx, s.fold, data, tmp[:n], ops, step, "fold")
@@ -288,12 +295,10 @@ def codec_doubling_allreduce(ctx, data, codec, wire, tmp, kind: str, scale: floa
     multiplied by ``scale`` first. ``wire``, ``tmp``: flat arrays of the codec's wire type,
     at least ``len(data)`` elements each (this rank's frames; received frames). Steps
     reported as :func:`doubling_allreduce`'s, with the bytes of the frames."""
-    n = len(data)
-    if ctx.size == 1 or n == 0:
+    n, size = len(data), wire.itemsize
+    s = _begin(ctx, n, kind)
+    if s is None:
         return
-    s = _schedule(n, ctx.size, ctx.rank, kind)
-    size = wire.itemsize
-    ctx.step_started()
     if scale != 1.0:
         np.multiply(data, np.float32(scale), out=data)
     step, sent, recv = 0, 0, 0

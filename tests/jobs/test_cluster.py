@@ -158,27 +158,33 @@ def check_ring_line(line: dict, nbytes: int, placement: str, trials: int, out: s
     assert line["time_s"] >= 0.5 * got * 8 / 1e9, out
 
 
+def bench_two_by_two(live, python, algos: str) -> tuple[int, str]:
+    """bench_allreduce.py by ``python`` (srun's --mpi by harness.srun_mpi) on 2 nodes x 2 ranks,
+    block placement, 4 MiB: the job's status and output."""
+    if (live.cpus or len(os.sched_getaffinity(0))) < 2:  # one core: advertise 2 CPUs per node
+        live.cpus = 2
+        live.up()
+    plugin, env = harness.srun_mpi(python)
+    script = "\n".join([
+        "#!/bin/bash",
+        "#SBATCH -N 2 --ntasks-per-node=2 --time=2",
+        "set -euo pipefail",
+        f". {shlex.quote(str(ENV_SH))}",
+        f"srun --mpi={plugin} -N 2 -n 4 --ntasks-per-node=2 --distribution=block {shlex.quote(str(python))} "
+        f"{shlex.quote(str(BENCH))} --size-mib 4 --algos {algos} --iters 2 --count-calls 2 --placement block",
+        "",
+    ])
+    return live.sbatch_wait(script, env=env, timeout=150)  # rate: HPCDP_CLUSTER_RATE, from env.sh
+
+
 @pytest.mark.timeout(180)
 def test_bench_allreduce_two_ranks_per_node(live):
     """bench_allreduce.py in a 2 nodes x 2 ranks job (block placement): the JSON lines of the
     ring, with the ring's link bytes per node as derived from its schedule, and of the
     two-level algorithm (its results checked by the job), which sends 2(M-1)/M = 1x the
     buffer out of each of the M = 2 nodes, two thirds of the ring's."""
-    if (live.cpus or len(os.sched_getaffinity(0))) < 2:  # one core: advertise 2 CPUs per node
-        live.cpus = 2
-        live.up()
     nbytes = 4 * MiB
-    script = "\n".join([
-        "#!/bin/bash",
-        "#SBATCH -N 2 --ntasks-per-node=2 --time=2",
-        "set -euo pipefail",
-        f". {shlex.quote(str(ENV_SH))}",
-        f"srun --mpi=pmi2 -N 2 -n 4 --ntasks-per-node=2 --distribution=block {shlex.quote(str(PYTHON))} "
-        f"{shlex.quote(str(BENCH))} --size-mib 4 --algos ring,two_level,no_such_algo --iters 2 --count-calls 2 "
-        "--placement block",
-        "",
-    ])
-    rc, out = live.sbatch_wait(script, timeout=120)  # rate: HPCDP_CLUSTER_RATE, from env.sh
+    rc, out = bench_two_by_two(live, PYTHON, "ring,two_level,no_such_algo")
     assert rc == 0, out
     lines = bench_lines(out)
     assert [x["algo"] for x in lines] == ["ring", "two_level", "no_such_algo"], out
@@ -198,25 +204,11 @@ def test_bench_allreduce_under_open_mpi_through_pmix(live):
     venv = open_mpi_venv()
     if venv is None:
         pytest.skip("no pip Open MPI venv (.venv-ompi or HPCDP_OMPI_VENV; docs/install.md)")
-    if (live.cpus or len(os.sched_getaffinity(0))) < 2:
-        live.cpus = 2
-        live.up()
     py = venv / "bin" / "python"
     assert harness.srun_mpi(PYTHON) == ("pmi2", {})
-    plugin, env = harness.srun_mpi(py)
-    assert (plugin, env) == ("pmix", {"OPAL_PREFIX": str(venv), "PMIX_PREFIX": str(venv)})
+    assert harness.srun_mpi(py) == ("pmix", {"OPAL_PREFIX": str(venv), "PMIX_PREFIX": str(venv)})
     nbytes = 4 * MiB
-    script = "\n".join([
-        "#!/bin/bash",
-        "#SBATCH -N 2 --ntasks-per-node=2 --time=2",
-        "set -euo pipefail",
-        f". {shlex.quote(str(ENV_SH))}",
-        f"srun --mpi={plugin} -N 2 -n 4 --ntasks-per-node=2 --distribution=block {shlex.quote(str(py))} "
-        f"{shlex.quote(str(BENCH))} --size-mib 4 --algos ring,two_level --iters 2 --count-calls 2 "
-        "--placement block",
-        "",
-    ])
-    rc, out = live.sbatch_wait(script, env=env, timeout=150)
+    rc, out = bench_two_by_two(live, py, "ring,two_level")
     assert rc == 0, out
     lines = bench_lines(out)
     assert [x["algo"] for x in lines] == ["ring", "two_level"], out

@@ -115,6 +115,49 @@ def _cell(value, fmt: str) -> str:
     return FORMATS[fmt](value)
 
 
+def _cluster_64m(stem: str, python: str | None = None) -> dict:
+    """The 64 MiB cluster table's block, run by the venv of ``python`` (default: .venv's MPICH;
+    another MPI gets a column of its own)."""
+    py = f"--python {python} " if python else ""
+    return {
+        "file": f"{stem}.jsonl",
+        "command": "for cfg in '2 1 block' '2 2 block' '2 2 cyclic' '3 1 block' '3 2 block'; do set -- $cfg; "
+                   f"for r in 1 2 3 4 5; do python tools/cluster/harness.py bench {py}--nodes $1 "
+                   "--ranks-per-node $2 --placement $3 --rates 1gbit --size-mib 64 "
+                   "--algos ring,two_level,auto --iters 3 --json; done; done "
+                   f"> docs/results/{stem}-raw.jsonl; python3 tools/cluster/rounds.py "
+                   f"docs/results/{stem}-raw.jsonl > docs/results/{stem}.jsonl",
+        "where": {"bench": "cluster-allreduce-rounds"},
+        "columns": ([("MPI", "mpi", "str")] if python else []) + _POINT_COLUMNS + [
+            ("time (ms)", "time_s", "ms"), ("native (ms)", "native_time_s", "ms"),
+            ("/ flat ring", "over_ring", "ratio"), ("/ native", "over_native", "ratio"),
+            ("link MB/node", "internode_bytes_per_node", "mb"), ("link bytes / ring's", "bytes_over_ring", "ratio")],
+    }
+
+
+def _across_nodes(stem: str, compression: str | None = None) -> dict:
+    """The block of two_level's stages across nodes, timed side by side (with ``compression``:
+    every hpcdp call compressed, which gets a column of its own)."""
+    comp = f"--compression {compression} " if compression else ""
+    return {
+        "file": f"{stem}.jsonl",
+        "command": "for r in 1 2 3 4 5; do for cfg in '4 1' '2 2'; do set -- $cfg; for rate in 10gbit 1gbit; do "
+                   "for size in 0.0625 1; do python tools/cluster/harness.py bench --nodes $1 --ranks-per-node $2 "
+                   "--rates $rate --size-mib $size --algos ring,two_level:ring,two_level:doubling,"
+                   f"two_level:halving,auto --iters 5 {comp}--env HPCDP_CALIBRATION=$PWD/docs/results/"
+                   f"calibration-cluster.json --json; done; done; done; done > docs/results/{stem}-raw.jsonl; "
+                   f"python3 tools/cluster/rounds.py --base two_level:ring docs/results/{stem}-raw.jsonl "
+                   f"> docs/results/{stem}.jsonl",
+        "where": {"bench": "cluster-allreduce-rounds"},
+        "columns": [("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "int"), ("link", "rate", "str"),
+                    ("size", "bytes", "size")] + ([("compression", "compression", "str")] if compression else []) + [
+                    ("algo", "algo", "str"), ("rounds", "rounds", "int"),
+                    ("time (us)", "time_s", "us"), ("native (us)", "native_time_s", "us"),
+                    ("/ two_level:ring", "over_base", "ratio"), ("/ native", "over_native", "ratio"),
+                    ("link KB/node", "internode_bytes_per_node", "kb")],
+    }
+
+
 SPECS = {
     "allreduce": {
         "file": "allreduce-rounds.jsonl",
@@ -126,66 +169,10 @@ SPECS = {
             ("MPI_Allreduce (us)", "native_time_s", "us"), ("native / hpcdp, median", "ratio_median", "ratio"),
             ("every round", "ratios", "ratios")] + _ROUNDS_HELD,
     },
-    "cluster-allreduce": {
-        "file": "cluster-allreduce.jsonl",
-        "command": "for cfg in '2 1 block' '2 2 block' '2 2 cyclic' '3 1 block' '3 2 block'; do set -- $cfg; "
-                   "for r in 1 2 3 4 5; do python tools/cluster/harness.py bench --nodes $1 "
-                   "--ranks-per-node $2 --placement $3 --rates 1gbit --size-mib 64 "
-                   "--algos ring,two_level,auto --iters 3 --json; done; done "
-                   "> docs/results/cluster-allreduce-raw.jsonl; python3 tools/cluster/rounds.py "
-                   "docs/results/cluster-allreduce-raw.jsonl > docs/results/cluster-allreduce.jsonl",
-        "where": {"bench": "cluster-allreduce-rounds"},
-        "columns": _POINT_COLUMNS + [
-            ("time (ms)", "time_s", "ms"), ("native (ms)", "native_time_s", "ms"),
-            ("/ flat ring", "over_ring", "ratio"), ("/ native", "over_native", "ratio"),
-            ("link MB/node", "internode_bytes_per_node", "mb"), ("link bytes / ring's", "bytes_over_ring", "ratio")],
-    },
-    "cluster-allreduce-ompi": {
-        "file": "cluster-allreduce-ompi.jsonl",
-        "command": "for cfg in '2 1 block' '2 2 block' '2 2 cyclic' '3 1 block' '3 2 block'; do set -- $cfg; "
-                   "for r in 1 2 3 4 5; do python tools/cluster/harness.py bench --python .venv-ompi/bin/python "
-                   "--nodes $1 --ranks-per-node $2 --placement $3 --rates 1gbit --size-mib 64 "
-                   "--algos ring,two_level,auto --iters 3 --json; done; done "
-                   "> docs/results/cluster-allreduce-ompi-raw.jsonl; python3 tools/cluster/rounds.py "
-                   "docs/results/cluster-allreduce-ompi-raw.jsonl > docs/results/cluster-allreduce-ompi.jsonl",
-        "where": {"bench": "cluster-allreduce-rounds"},
-        "columns": [("MPI", "mpi", "str")] + _POINT_COLUMNS + [
-            ("time (ms)", "time_s", "ms"), ("native (ms)", "native_time_s", "ms"),
-            ("/ flat ring", "over_ring", "ratio"), ("/ native", "over_native", "ratio"),
-            ("link MB/node", "internode_bytes_per_node", "mb"), ("link bytes / ring's", "bytes_over_ring", "ratio")],
-    },
-    "cluster-across": {
-        "file": "cluster-across.jsonl",
-        "command": "for r in 1 2 3 4 5; do for cfg in '4 1' '2 2'; do set -- $cfg; for rate in 10gbit 1gbit; do "
-                   "for size in 0.0625 1; do python tools/cluster/harness.py bench --nodes $1 --ranks-per-node $2 "
-                   "--rates $rate --size-mib $size --algos ring,two_level:ring,two_level:doubling,"
-                   "two_level:halving,auto --iters 5 --env HPCDP_CALIBRATION=$PWD/docs/results/"
-                   "calibration-cluster.json --json; done; done; done; done > docs/results/cluster-across-raw.jsonl; "
-                   "python3 tools/cluster/rounds.py --base two_level:ring docs/results/cluster-across-raw.jsonl "
-                   "> docs/results/cluster-across.jsonl",
-        "where": {"bench": "cluster-allreduce-rounds"},
-        "columns": [("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "int"), ("link", "rate", "str"),
-                    ("size", "bytes", "size"), ("algo", "algo", "str"), ("rounds", "rounds", "int"),
-                    ("time (us)", "time_s", "us"), ("native (us)", "native_time_s", "us"),
-                    ("/ two_level:ring", "over_base", "ratio"), ("/ native", "over_native", "ratio"),
-                    ("link KB/node", "internode_bytes_per_node", "kb")],
-    },
-    "cluster-across-fp16": {
-        "file": "cluster-across-fp16.jsonl",
-        "command": "for r in 1 2 3 4 5; do for cfg in '4 1' '2 2'; do set -- $cfg; for rate in 10gbit 1gbit; do "
-                   "for size in 0.0625 1; do python tools/cluster/harness.py bench --nodes $1 --ranks-per-node $2 "
-                   "--rates $rate --size-mib $size --algos ring,two_level:ring,two_level:doubling,"
-                   "two_level:halving,auto --iters 5 --compression fp16 --env HPCDP_CALIBRATION=$PWD/docs/results/"
-                   "calibration-cluster.json --json; done; done; done; done > docs/results/cluster-across-fp16-raw.jsonl; "
-                   "python3 tools/cluster/rounds.py --base two_level:ring docs/results/cluster-across-fp16-raw.jsonl "
-                   "> docs/results/cluster-across-fp16.jsonl",
-        "where": {"bench": "cluster-allreduce-rounds"},
-        "columns": [("nodes", "nodes", "int"), ("ranks/node", "ranks_per_node", "int"), ("link", "rate", "str"),
-                    ("size", "bytes", "size"), ("compression", "compression", "str"), ("algo", "algo", "str"),
-                    ("rounds", "rounds", "int"), ("time (us)", "time_s", "us"), ("native (us)", "native_time_s", "us"),
-                    ("/ two_level:ring", "over_base", "ratio"), ("/ native", "over_native", "ratio"),
-                    ("link KB/node", "internode_bytes_per_node", "kb")],
-    },
+    "cluster-allreduce": _cluster_64m("cluster-allreduce"),
+    "cluster-allreduce-ompi": _cluster_64m("cluster-allreduce-ompi", ".venv-ompi/bin/python"),
+    "cluster-across": _across_nodes("cluster-across"),
+    "cluster-across-fp16": _across_nodes("cluster-across-fp16", "fp16"),
     "cluster-ddp": {
         "file": "cluster-ddp.jsonl",
         "command": _CLUSTER_DDP,
