@@ -200,10 +200,10 @@ def simulate_codec(arrays, kind: str, codec, scale: float = 1.0):
     """:func:`simulate` for :func:`codec_doubling_allreduce`: float32 ``arrays`` through
     ``codec``'s frames (the module docstring's steps), the results of every rank."""
     p = len(arrays)
+    if p == 1:  # (nothing to exchange: the data as it is, as the generator leaves it)
+        return [a.astype(np.float32) for a in arrays]
     bufs = [np.multiply(a, np.float32(scale)) if scale != 1.0 else a.astype(np.float32) for a in arrays]
     n = len(bufs[0])
-    if p == 1:  # (nothing to exchange: the data as it is, as the generator leaves it)
-        return bufs
     scheds = [DoublingSchedule(n, p, r, kind) for r in range(p)]
     frame = functools.partial(_frame, codec)
     for s in scheds:  # fold
