@@ -437,7 +437,10 @@ def info() -> dict:
     levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
               MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
     from ._version import __version__
+    from .comm.cuda import loaded_libmpi
+    from .comm.mpit import open_mpi_tcp_put
     import mpi4py
+    tcp_put, tcp_put_how = open_mpi_tcp_put(MPI.get_vendor()[0], loaded_libmpi())
     return {
         "hpcdp_version": __version__,
         "mpi_vendor": rt.vendor,
@@ -463,6 +466,8 @@ def info() -> dict:
         "cpu_share_how": rt.cpu_share_how,
         "kernel_threads": rt.kernel_threads,
         "kernel_threads_how": rt.kernel_threads_how,
+        "tcp_put": tcp_put,
+        "tcp_put_how": tcp_put_how,
         "nodes": len(rt.nodes),
         "ranks_per_node": [len(ranks) for ranks in rt.nodes],
         "algo": rt.algo,

@@ -15,9 +15,10 @@ and :func:`hpcdp.info` reports the decision and why (``wait``, ``wait_how``).
 """
 from __future__ import annotations
 
-import ctypes
 import os
 from os import sched_yield
+
+from .mpit import first_cvar
 
 __all__ = ["decide_wait", "mpi_yields_when_idle", "complete", "drive"]
 
@@ -62,43 +63,9 @@ _YIELD_CVARS = (
 def mpi_yields_when_idle(libmpi: str | None) -> tuple[str, int] | None:
     """``(name, value)`` of the first of Open MPI's ``mpi_yield_when_idle`` and MPICH's
     ``MPIR_CVAR_POLLS_BEFORE_YIELD`` that the loaded library has, read through the MPI
-    tool interface (MPI_T); ``None`` where it has neither or MPI_T cannot be used."""
-    if libmpi is None:
-        return None
-    try:
-        lib = ctypes.CDLL(libmpi)
-        init, get_index = lib.MPI_T_init_thread, lib.MPI_T_cvar_get_index
-        alloc, read = lib.MPI_T_cvar_handle_alloc, lib.MPI_T_cvar_read
-        free, fini = lib.MPI_T_cvar_handle_free, lib.MPI_T_finalize
-    except (OSError, AttributeError):
-        return None
-    # The MPI_T session asks for the level MPI already runs at: Open MPI (5.0.x) writes the
-    # level given here over the process's, and MPI_THREAD_SINGLE there turns its locking
-    # off under hpcdp's progress thread (MPI_Query_thread then says SINGLE too).
-    level, flag = ctypes.c_int(0), ctypes.c_int(0)
-    if lib.MPI_Initialized(ctypes.byref(flag)) == 0 and flag.value:
-        lib.MPI_Query_thread(ctypes.byref(level))
-    provided = ctypes.c_int()
-    if init(level, ctypes.byref(provided)) != 0:
-        return None
-    try:
-        for name in _YIELD_CVARS:
-            index = ctypes.c_int(-1)
-            if get_index(name.encode(), ctypes.byref(index)) != 0:
-                continue
-            handle, count = ctypes.c_void_p(), ctypes.c_int()
-            if alloc(index, None, ctypes.byref(handle), ctypes.byref(count)) != 0:
-                return None
-            try:
-                value = ctypes.c_int64(0)  # a bool or an int: either fits, zero-extended
-                if count.value != 1 or read(handle, ctypes.byref(value)) != 0:
-                    return None
-                return name, ctypes.c_int32(value.value & 0xFFFFFFFF).value
-            finally:
-                free(ctypes.byref(handle))
-        return None
-    finally:
-        fini()
+    tool interface (:func:`~hpcdp.comm.mpit.first_cvar`); ``None`` where it has neither
+    or MPI_T cannot be used."""
+    return first_cvar(libmpi, _YIELD_CVARS)
 
 
 def decide_wait(local_size: int, cores: int, libmpi: str | None) -> tuple[bool, str]:
