@@ -271,7 +271,8 @@ def doubling_allreduce(ctx, data, ops, tmp, kind: str):
         return
     step = 0
     if s.fold is not None:
-        step = yield from _whole(ctx, s.fold, data, tmp[:n], ops, step, "fold")
+        step = yield from _whole(ctx, s.fold, data, tmp[:n], step, "fold",
+                                 functools.partial(ops.add, data, tmp[:n]))
     for k, (peer, slo, shi, rlo, rhi) in enumerate(s.rounds):
         ctx.at(f"{kind}: reduce", peer, k)
         yield from _swap(ctx, peer, data[slo:shi], tmp[:rhi - rlo])
@@ -285,7 +286,7 @@ def doubling_allreduce(ctx, data, ops, tmp, kind: str):
         ctx.step_done(step, (shi - slo) * size, (rhi - rlo) * size)
         step += 1
     if s.unfold is not None:
-        yield from _whole(ctx, s.unfold, data, data, None, step, "unfold")
+        yield from _whole(ctx, s.unfold, data, data, step, "unfold")
     ctx.count(s.elements("send") * size, s.elements("recv") * size)
 
 
@@ -301,20 +302,12 @@ def codec_doubling_allreduce(ctx, data, codec, wire, tmp, kind: str, scale: floa
         return
     if scale != 1.0:
         np.multiply(data, np.float32(scale), out=data)
-    step, sent, recv = 0, 0, 0
+    step = 0
     if s.fold is not None:  # 2.
-        how, peer = s.fold
-        ctx.at("fold", peer)
-        if how == "send":
+        if s.fold[0] == "send":
             codec.encode(data, out=wire[:n])
-            yield ctx.isend(wire[:n], peer)
-            sent += n * size
-        else:
-            yield ctx.irecv(tmp[:n], peer)
-            codec.decode(tmp[:n], data, accumulate=True)
-            recv += n * size
-        ctx.step_done(step, n * size if how == "send" else 0, n * size if how == "recv" else 0)
-        step += 1
+        step = yield from _whole(ctx, s.fold, wire[:n], tmp[:n], step, "fold",
+                                 functools.partial(codec.decode, tmp[:n], data, accumulate=True))
     for k, (peer, slo, shi, rlo, rhi) in enumerate(s.rounds):  # 3.
         ctx.at(f"{kind}: reduce", peer, k)
         codec.encode(data[slo:shi], out=wire[slo:shi])
@@ -323,7 +316,7 @@ def codec_doubling_allreduce(ctx, data, codec, wire, tmp, kind: str, scale: floa
             codec.decode(wire[:n], data)
         codec.decode(tmp[:rhi - rlo], data[rlo:rhi], accumulate=True)
         ctx.step_done(step, (shi - slo) * size, (rhi - rlo) * size)
-        sent, recv, step = sent + (shi - slo) * size, recv + (rhi - rlo) * size, step + 1
+        step += 1
     if kind == "halving" and s.vrank is not None:
         lo, hi = _own_block(s)
         codec.encode(data[lo:hi], out=wire[lo:hi])
@@ -331,17 +324,16 @@ def codec_doubling_allreduce(ctx, data, codec, wire, tmp, kind: str, scale: floa
             ctx.at(f"{kind}: gather", peer, k)
             yield from _swap(ctx, peer, wire[slo:shi], wire[rlo:rhi])
             ctx.step_done(step, (shi - slo) * size, (rhi - rlo) * size)
-            sent, recv, step = sent + (shi - slo) * size, recv + (rhi - rlo) * size, step + 1
+            step += 1
         codec.decode(wire[:n], data)
     if s.unfold is not None:  # 4.
-        how, peer = s.unfold
-        ctx.at("unfold", peer)
         msg = wire[:n] if kind == "halving" else data
-        yield (ctx.isend if how == "send" else ctx.irecv)(msg, peer)
-        if how == "recv" and kind == "halving":
-            codec.decode(msg, data)
-        ctx.step_done(step, msg.nbytes if how == "send" else 0, msg.nbytes if how == "recv" else 0)
-        sent, recv = (sent + msg.nbytes, recv) if how == "send" else (sent, recv + msg.nbytes)
+        yield from _whole(ctx, s.unfold, msg, msg, step, "unfold",
+                          functools.partial(codec.decode, msg, data) if kind == "halving" else None)
+    sent, recv = s.elements("send") * size, s.elements("recv") * size
+    if kind == "doubling" and s.unfold is not None:  # (its unfold moves float32, not frames)
+        extra = (data.itemsize - size) * n
+        sent, recv = (sent + extra, recv) if s.unfold[0] == "send" else (sent, recv + extra)
     ctx.count(sent, recv)
 
 
@@ -355,18 +347,18 @@ def _swap(ctx, peer: int, send, recv):
         yield reqs
 
 
-def _whole(ctx, how: tuple, data, into, ops, step: int, phase: str):
-    """Generator: the fold's or unfold's message of the whole buffer; a folded-in buffer
-    is added (``ops``). Returns the next step's index."""
+def _whole(ctx, how: tuple, send, into, step: int, phase: str, received=None):
+    """Generator: the fold's or unfold's message of the whole buffer: ``send`` sent, or
+    received into ``into`` and then ``received()`` called (a folded-in buffer added, frames
+    decoded). Returns the next step's index."""
     kind, peer = how
     ctx.at(phase, peer)
-    n, size = len(data), data.itemsize
     if kind == "send":
-        yield ctx.isend(data, peer)
-        ctx.step_done(step, n * size, 0)
+        yield ctx.isend(send, peer)
+        ctx.step_done(step, send.nbytes, 0)
     else:
         yield ctx.irecv(into, peer)
-        if ops is not None:
-            ops.add(data, into)
-        ctx.step_done(step, 0, n * size)
+        if received is not None:
+            received()
+        ctx.step_done(step, 0, into.nbytes)
     return step + 1
