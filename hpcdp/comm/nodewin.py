@@ -96,8 +96,9 @@ class NodeWindow:
         self._seq_view = memoryview(self.seqs)
         # two signature slots, by the round's parity: a rank can be one round ahead of a
         # peer that still reads the signatures of the round before
-        self._slots = [memoryview(raw[seq_bytes + k * sig_bytes:seq_bytes + (k + 1) * sig_bytes])
-                       for k in (0, 1)]
+        slots = [raw[seq_bytes + k * sig_bytes:seq_bytes + (k + 1) * sig_bytes] for k in (0, 1)]
+        self._slots = [memoryview(slot) for slot in slots]
+        self.slot_fields = [slot.view(np.int64) for slot in slots]  # (the compiled round's view)
         self._mine = slice(8 * SIG_FIELDS * self.rank, 8 * SIG_FIELDS * (self.rank + 1))
         self.seqs[self.rank] = 0
         for slot in self._slots:
@@ -109,8 +110,11 @@ class NodeWindow:
         # poll (a spinning rank would hold the core of the rank it waits for)
         self.spin_mask = 0x3FF if self.size <= (os.cpu_count() or 1) else 0
         self.win, self.parts, self.capacity, self.half = None, None, 0, 0
+        self.stride = None  # bytes from one rank's part to the next, when that is constant
+        self.round_args = None
         self._views = {}
         self._packed = {}  # signature -> (this rank's bytes, every rank's bytes when all agree)
+        self._fields = {}  # signature -> its fields as an int64 array
 
     # -- flag rounds ---------------------------------------------------------------
     def post(self, sig=None, where: dict | None = None) -> Round | None:
@@ -139,6 +143,15 @@ class NodeWindow:
         if slot == self._pack(sig)[1]:
             return None
         return [_SIG.unpack_from(slot, 8 * SIG_FIELDS * r) for r in range(self.size)]
+
+    def sig_fields(self, sig) -> np.ndarray:
+        """``sig`` as the int64 array the compiled round writes into its slot (cached)."""
+        fields = self._fields.get(sig)
+        if fields is None:
+            if len(self._fields) >= 256:
+                self._fields.clear()
+            fields = self._fields[sig] = np.array(sig, dtype=np.int64)
+        return fields
 
     def _pack(self, sig) -> tuple:
         packed = self._packed.get(sig)
@@ -170,6 +183,12 @@ class NodeWindow:
             mem, _ = self.win.Shared_query(r)
             self.parts.append(np.frombuffer(mem, dtype=np.uint8, count=2 * capacity))
         self.capacity = capacity
+        addresses = [p.ctypes.data for p in self.parts]
+        stride = addresses[1] - addresses[0] if self.size > 1 else 0
+        if stride > 0 and all(a == addresses[0] + r * stride for r, a in enumerate(addresses)):
+            self.stride = stride  # (MPI's default: the parts are contiguous, in rank order)
+            # the compiled one-round call's [rank, polls, stride, seq, stage]
+            self.round_args = np.array([self.rank, self.spin_mask + 1, stride, 0, 0], dtype=np.int64)
         self.node.Barrier()  # (a peer's Lock_all may need this rank inside MPI: flag waits are not)
 
     def views(self, dtype, n: int) -> list:
@@ -183,6 +202,24 @@ class NodeWindow:
             off, nbytes = self.half * self.capacity, n * dtype.itemsize
             parts = self._views[key] = [p[off:off + nbytes].view(dtype) for p in self.parts]
         return parts
+
+    def table(self, dtype, n: int):
+        """Every rank's current half as one flat array of ``dtype``, from rank 0's first
+        element to the last rank's ``n``-th: rank ``r``'s elements start ``r *``
+        :attr:`stride` bytes in (cached); ``None`` when the parts are not evenly spaced in
+        memory (MPI allocated them apart: then only :meth:`views` serve)."""
+        if self.stride is None or self.stride % dtype.itemsize:
+            return None
+        key = ("table", dtype.char, n, self.half)
+        table = self._views.get(key)
+        if table is None:
+            if len(self._views) >= 256:
+                self._views.clear()
+            length = (self.size - 1) * (self.stride // dtype.itemsize) + n
+            first = self.views(dtype, n)[0]
+            table = self._views[key] = np.lib.stride_tricks.as_strided(first, shape=(length,),
+                                                                       writeable=True)
+        return table
 
     def free(self) -> None:
         for win in (self.win, self.ctl):

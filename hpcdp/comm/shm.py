@@ -12,6 +12,11 @@ For ranks that all share one node, over N ranks, with the node's
    additions in the same order everywhere, so the same bits everywhere), divided by N
    once for an average.
 
+For float32/64 and int32/64, where the window's parts lie evenly spaced (MPI's default),
+these steps run as one compiled call (:func:`~hpcdp.comm.shm_kernels.one_round`, which
+also waits for the round while the peers are near), else as numpy passes and
+``MPI_Win_sync``; the same bits either way.
+
 **Larger buffers**, in segments of at most ``capacity`` bytes, two rounds a segment:
 
 1. copy in, as above, but slice j on rank j (the ring's chunk j, which only rank j
@@ -34,15 +39,17 @@ reads a half only between two of its rounds, so a rank writing a half again (two
 rounds later) never overwrites what a slower rank still reads.
 
 Steps reported to ``ctx.on_step`` (level-2 traces; no bytes: nothing is sent): one round,
-0 (copy in and the round) and 1 (the sum); larger buffers, per segment ``s``, ``3s``
+0 (copy in and the round) and 1 (the sum), or 0 alone when compiled; larger buffers, per segment ``s``, ``3s``
 (copy in and the first round), ``3s + 1`` (own slice reduced and the second round) and
 ``3s + 2`` (copy out).
 """
 from __future__ import annotations
 
-from .nodewin import node_round
+import numpy as np
+
+from .nodewin import Round, node_round
 from .schedule import chunk_bounds
-from .shm_kernels import FUSED_DTYPES, reduce_slice
+from .shm_kernels import FUSED_DTYPES, MISMATCH, ROUND_DTYPES, SUMMED, one_round, reduce_slice
 from .waiting import complete, drive
 
 __all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "copy_out", "reduce_in_ring_order",
@@ -84,6 +91,13 @@ def shm_allreduce_blocking(ctx, window, buf, average: bool, sig=None, small: int
     if not _one_round_fits(window, buf, small):
         drive(ctx.MPI, shm_allreduce(ctx, window, buf, average, sig, small), ctx.yield_cpu)
         return
+    table = _table(window, buf)
+    if table is not None:
+        if not _compiled_round(window, buf, table, average, sig, 0):
+            ctx.at("shared-memory allreduce: flag round")
+            complete(ctx.MPI, Round(window, ctx.where), ctx.yield_cpu)
+            _compiled_round(window, buf, table, average, sig, 1)
+        return
     parts = copy_in(window, buf, 0, buf.n, average, window.size)
     pending = window.post(None if sig is None else sig[0], ctx.where)
     if pending is not None:
@@ -95,6 +109,48 @@ def shm_allreduce_blocking(ctx, window, buf, average: bool, sig=None, small: int
 
 def _one_round_fits(window, buf, small: int) -> bool:
     return buf.n * buf.data.dtype.itemsize <= min(small, window.capacity)
+
+
+def _table(window, buf):
+    """The window's current half as the compiled round's (ranks, n) table, or ``None``
+    where that round does not apply (dtype, or parts not evenly spaced)."""
+    if buf.dtype.name not in ROUND_DTYPES:
+        return None
+    return window.table(buf.data.dtype, buf.n)
+
+
+def _compiled_round(window, buf, table, average: bool, sig, stage: int) -> bool:
+    """Stage 0 (copy in, arrive, wait while the peers are near) or 1 (after the caller's
+    wait) of the compiled one-round call; ``True`` once summed (then the next call takes
+    the other half), ``False`` while a peer has not arrived. A signature mismatch calls
+    ``sig[1]`` (which raises) on every rank."""
+    args = window.round_args
+    if stage == 0:
+        window.seq += 1
+        args[3] = window.seq
+    args[4] = stage
+    status = one_round(buf.data, table, window.seqs, window.slot_fields[window.seq & 1],
+                       _NO_FIELDS if sig is None else window.sig_fields(sig[0]),
+                       _divisor(buf.data.dtype, window.size if average else 1), args)
+    if status == MISMATCH:
+        sig[1](window.mismatch(sig[0]))
+    if status != SUMMED:
+        return False
+    window.half ^= 1
+    return True
+
+
+_NO_FIELDS = np.zeros(0, dtype=np.int64)  # an unchecked call's signature
+_DIVISORS: dict = {}
+
+
+def _divisor(dtype, divisor: int) -> np.ndarray:
+    """``divisor`` as a one-element array of ``dtype`` (cached)."""
+    key = (dtype.char, divisor)
+    array = _DIVISORS.get(key)
+    if array is None:
+        array = _DIVISORS[key] = np.full(1, divisor, dtype=dtype)
+    return array
 
 
 def segment_elements(window, buf) -> int:
@@ -129,6 +185,14 @@ def _sum_in_rank_order(window, buf, parts, average: bool):
 
 
 def _one_round(ctx, window, buf, average: bool, sig):
+    table = _table(window, buf)
+    if table is not None:
+        if not _compiled_round(window, buf, table, average, sig, 0):
+            ctx.at("shared-memory allreduce: flag round")
+            yield Round(window, ctx.where)
+            _compiled_round(window, buf, table, average, sig, 1)
+        ctx.step_done(0, 0, 0)
+        return
     ctx.at("shared-memory allreduce: copy in")
     parts = copy_in(window, buf, 0, buf.n, average, window.size)
     yield from node_round(ctx, window, sig)

@@ -1,27 +1,63 @@
-"""numba kernel of the shared-memory allreduce's reduction (:mod:`hpcdp.comm.shm`).
+"""numba kernels of the shared-memory allreduce (:mod:`hpcdp.comm.shm`).
 
-The owner of slice k reduces it in one pass, block by block: its own input plus the
+**The one-round call** (:func:`one_round`, buffers up to ``SHM_SMALL``): the whole call in
+one compiled function, where Python's per-step cost (a numpy call, an ``MPI_Win_sync``:
+about a microsecond each) was most of a 4 KiB call:
+
+1. copy the buffer into this rank's row of the window's current half;
+2. write the call's signature (when checked) into its slot, then raise this rank's
+   sequence number with a release store (:mod:`hpcdp.comm.atomics`);
+3. wait, at most ``polls`` acquire loads of the numbers, for every rank's number to reach
+   it; if one has not, return ``WAITING``: the caller waits its own way (poking MPI,
+   yielding the core, telling the watchdog who is late) and calls again with
+   ``stage = 1``, which starts here;
+4. compare every rank's signature with this rank's: ``MISMATCH`` if one differs (nothing
+   is summed: the caller raises on every rank);
+5. ``out = row 0 + row 1 + ...`` in rank order, then ``/ divisor`` (no division when
+   it is 1): the additions and division of the numpy path in the same order, so the
+   same bits; ``SUMMED``.
+
+**The owner's reduction** (:func:`reduce_slice`, larger buffers): the owner of slice k reduces it in one pass, block by block: its own input plus the
 other ranks' slices in the ring's order, divided for an average, written twice: into
 its window part (where the other ranks copy it from) and into its own buffer. numpy
 takes N + 1 passes for that (an add per input, the division, the copy), each over
 memory that another core wrote or will read.
 
-float32 and float64 only; the same float arithmetic in the same order as numpy's
-``np.add`` then ``np.divide`` (no fastmath, so no reassociation or contraction): the
-ring's bits. Compiled on first use (once per number of ranks) and cached on disk, like
+Both: the same float arithmetic in the same order as numpy's
+``np.add`` then ``np.divide`` (no fastmath, so no reassociation or contraction). Compiled on first use (once per number of ranks) and cached on disk, like
 :mod:`hpcdp.compress.kernels`.
 """
 from __future__ import annotations
 
-__all__ = ["FUSED_DTYPES", "reduce_slice"]
+__all__ = ["FUSED_DTYPES", "ROUND_DTYPES", "WAITING", "SUMMED", "MISMATCH", "one_round",
+           "reduce_slice"]
 
-#: dtypes the kernel takes (the others use numpy's passes)
+#: dtypes :func:`reduce_slice` takes (the others use numpy's passes)
 FUSED_DTYPES = ("float32", "float64")
+#: dtypes :func:`one_round` takes (fp16/bf16 averages divide before the sum: numpy's path)
+ROUND_DTYPES = ("float32", "float64", "int32", "int64")
+
+#: what :func:`one_round` returns
+WAITING, SUMMED, MISMATCH = 0, 1, 2
 
 #: elements per block (a block of each operand stays in L1/L2 across the passes)
 _BLOCK = 4096
 
 _kernel = None
+_round = None
+
+
+def one_round(out, table, seqs, slot, sig, divisor, args) -> int:
+    """The one-round call (module docstring) on host array ``out`` over ``table``, the
+    window's current half (:meth:`~hpcdp.comm.nodewin.NodeWindow.table`); ``seqs``: every
+    rank's sequence number; ``slot``: every rank's signature fields in a row (this round's
+    parity), ``sig`` this rank's (empty: unchecked); ``divisor``: one element of ``out``'s
+    dtype; ``args``: int64 ``[rank, polls, stride (bytes), seq, stage]``. (Arrays only: a
+    call's cost grows with its arguments, scalars the most.)"""
+    global _round
+    if _round is None:
+        _round = _compile_round()
+    return _round(out, table, seqs, slot, sig, divisor, args)
 
 
 def reduce_slice(win_out, own, peers: tuple, divisor: int) -> None:
@@ -37,6 +73,28 @@ def _compile():
     import numba
 
     opts = dict(nogil=True, cache=True, fastmath=False)
+    add, add_to, divide, copy = _elementwise(numba, opts)
+
+    @numba.njit(**opts)
+    def reduce_slice_kernel(win_out, own, peers, divisor, scale):
+        # block by block over slices (loops over whole slices vectorise; a loop over
+        # indices into all operands did not): the block's passes run in cache
+        n = win_out.shape[0]
+        for lo in range(0, n, _BLOCK):
+            hi = min(n, lo + _BLOCK)
+            out = win_out[lo:hi]
+            add(out, own[lo:hi], peers[0][lo:hi])
+            for j in range(1, len(peers)):
+                add_to(out, peers[j][lo:hi])
+            if scale:
+                divide(out, divisor)
+            copy(own[lo:hi], out)
+
+    return reduce_slice_kernel
+
+
+def _elementwise(numba, opts):
+    """The passes over whole slices both kernels are made of (inlined into them)."""
 
     @numba.njit(inline="always", **opts)
     def add(out, a, b):
@@ -58,19 +116,51 @@ def _compile():
         for i in range(out.shape[0]):
             out[i] = a[i]
 
-    @numba.njit(**opts)
-    def reduce_slice_kernel(win_out, own, peers, divisor, scale):
-        # block by block over slices (loops over whole slices vectorise; a loop over
-        # indices into all operands did not): the block's passes run in cache
-        n = win_out.shape[0]
-        for lo in range(0, n, _BLOCK):
-            hi = min(n, lo + _BLOCK)
-            out = win_out[lo:hi]
-            add(out, own[lo:hi], peers[0][lo:hi])
-            for j in range(1, len(peers)):
-                add_to(out, peers[j][lo:hi])
-            if scale:
-                divide(out, divisor)
-            copy(own[lo:hi], out)
+    return add, add_to, divide, copy
 
-    return reduce_slice_kernel
+
+def _compile_round():
+    import numba
+
+    from .atomics import load_acquire, store_release
+
+    opts = dict(nogil=True, cache=True, fastmath=False)
+    add, add_to, divide, copy = _elementwise(numba, opts)
+
+    @numba.njit(inline="always", **opts)
+    def everyone_at(seqs, size, seq):
+        for r in range(size):
+            if load_acquire(seqs, r) < seq:
+                return False
+        return True
+
+    @numba.njit(**opts)
+    def one_round_kernel(out, table, seqs, slot, sig, divisor, args):
+        # rows are contiguous slices of one span (loops over whole slices vectorise; a
+        # strided 2-D view did not)
+        rank, polls, stride, seq, stage = args[0], args[1], args[2] // out.itemsize, args[3], args[4]
+        size, n, fields = len(seqs), out.shape[0], sig.shape[0]
+        if stage == 0:
+            copy(table[rank * stride:rank * stride + n], out)
+            for f in range(fields):
+                slot[rank * fields + f] = sig[f]
+            store_release(seqs, rank, seq)
+        arrived = False
+        for _ in range(polls if stage == 0 else 1):
+            if everyone_at(seqs, size, seq):
+                arrived = True
+                break
+        if not arrived:
+            return WAITING
+        for r in range(size):
+            for f in range(fields):
+                if slot[r * fields + f] != sig[f]:
+                    return MISMATCH
+        add(out, table[:n], table[stride:stride + n])
+        for r in range(2, size):
+            add_to(out, table[r * stride:r * stride + n])
+        if divisor[0] != 1:
+            divide(out, divisor[0])
+        return SUMMED
+
+    return one_round_kernel

@@ -43,3 +43,107 @@ def test_reduce_slice_keeps_nan_and_inf():
     reduce_slice(win, buf, (peer,), 2)
     assert win[0] == np.inf and win[1] == np.inf and np.isnan(win[2]) and np.isnan(win[3])
     assert np.array_equal(buf, win, equal_nan=True)
+
+
+# -- the compiled one-round call ---------------------------------------------------------------
+FIELDS = 5
+
+
+class FakeNode:
+    """What one_round reads and writes of a node window, for ``size`` pretend ranks in one
+    process: their rows (``stride`` bytes apart in one span), sequence numbers and slots."""
+
+    def __init__(self, size, n, dtype, gap=64):
+        self.size, self.n, self.dtype = size, n, np.dtype(dtype)
+        self.stride = n * self.dtype.itemsize + gap
+        self.memory = np.zeros((size - 1) * self.stride + n * self.dtype.itemsize, np.uint8)
+        self.table = self.memory.view(self.dtype) if not gap % self.dtype.itemsize else None
+        self.seqs = np.zeros(size, np.int64)
+        self.slot = np.zeros(size * FIELDS, np.int64)
+
+    def row(self, r):
+        return self.memory[r * self.stride:][:self.n * self.dtype.itemsize].view(self.dtype)
+
+    def call(self, rank, out, seq, stage=0, sig=None, divisor=1, polls=64):
+        args = np.array([rank, polls, self.stride, seq, stage], np.int64)
+        fields = np.zeros(0, np.int64) if sig is None else np.array(sig, np.int64)
+        return shm_kernels.one_round(out, self.table, self.seqs, self.slot, fields,
+                                     np.full(1, divisor, out.dtype), args)
+
+
+def _arrive(node, rank, x, seq, sig=None):
+    """Pretend rank ``rank`` arrived at round ``seq`` with input ``x`` (and signature)."""
+    node.row(rank)[:] = x
+    if sig is not None:
+        node.slot[rank * FIELDS:(rank + 1) * FIELDS] = sig
+    node.seqs[rank] = seq
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("size", [2, 3, 5])
+@pytest.mark.parametrize("n", [1, 17, 1000])
+def test_one_round_sums_in_rank_order_with_numpys_bits(dtype, size, n):
+    """Every other rank arrived: this rank's call copies its input in, arrives, sums rows 0,
+    1, ..., N-1 (numpy's additions in that order), divides for a float average."""
+    rng = np.random.default_rng(size * 1000 + n)
+    xs = [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(dtype)
+          if np.dtype(dtype).kind == "f" else rng.integers(-1000, 1000, n).astype(dtype)
+          for _ in range(size)]
+    divisors = [1, size] if np.dtype(dtype).kind == "f" else [1]
+    for seq, divisor in enumerate(divisors, start=1):
+        node, me = FakeNode(size, n, dtype), size // 2
+        for r in range(size):
+            if r != me:
+                _arrive(node, r, xs[r], seq)
+        out = xs[me].copy()
+        assert node.call(me, out, seq, divisor=divisor) == shm_kernels.SUMMED
+        expected = xs[0] + xs[1]
+        for x in xs[2:]:
+            expected += x
+        if divisor != 1:
+            np.divide(expected, expected.dtype.type(divisor), out=expected)
+        assert np.array_equal(out.view(np.uint8), expected.view(np.uint8))
+        assert np.array_equal(node.row(me), xs[me]) and node.seqs[me] == seq
+
+
+def test_one_round_waits_for_a_late_rank_then_finishes_at_stage_one():
+    node, x = FakeNode(3, 10, np.float32), np.full(10, 1.0, np.float32)
+    _arrive(node, 0, np.full(10, 2.0, np.float32), 7)
+    node.seqs[2] = 6  # rank 2 is still at the round before
+    assert node.call(1, x, 7) == shm_kernels.WAITING
+    assert np.all(x == 1.0), "nothing is summed before everyone arrived"
+    assert node.seqs[1] == 7 and np.all(node.row(1) == 1.0), "but this rank has arrived"
+    assert node.call(1, x, 7, stage=1) == shm_kernels.WAITING  # (still late: still waiting)
+    _arrive(node, 2, np.full(10, 4.0, np.float32), 7)
+    assert node.call(1, x, 7, stage=1) == shm_kernels.SUMMED
+    assert np.all(x == 7.0)
+
+
+def test_one_round_reports_a_signature_mismatch_without_summing():
+    node, x = FakeNode(2, 4, np.float32), np.ones(4, np.float32)
+    _arrive(node, 0, np.ones(4, np.float32), 1, sig=(1, 5, 2, 1, 0))
+    assert node.call(1, x, 1, sig=(1, 4, 2, 1, 0)) == shm_kernels.MISMATCH
+    assert np.all(x == 1.0)
+    assert list(node.slot[FIELDS:]) == [1, 4, 2, 1, 0], "its own signature is posted for the others"
+    _arrive(node, 0, np.ones(4, np.float32), 2, sig=(1, 4, 2, 1, 0))
+    assert node.call(1, x, 2, sig=(1, 4, 2, 1, 0)) == shm_kernels.SUMMED and np.all(x == 2.0)
+
+
+def test_one_round_sees_a_rank_that_arrives_while_it_spins():
+    """The wait loads the numbers anew on every poll (acquire loads: a plain load could be
+    hoisted out of the loop and spin forever): a rank arriving from another thread while
+    the kernel spins (it releases the GIL) is seen, and its row with it."""
+    import threading
+    import time
+    node, x = FakeNode(2, 1000, np.float64), np.ones(1000)
+
+    def late_rank():
+        time.sleep(0.05)
+        _arrive(node, 0, np.full(1000, 2.0), 1)
+
+    thread = threading.Thread(target=late_rank)
+    thread.start()
+    # (finite: if the loads were hoisted, the loop folds to one check and returns WAITING)
+    assert node.call(1, x, 1, polls=1 << 31) == shm_kernels.SUMMED
+    thread.join()
+    assert np.all(x == 3.0)

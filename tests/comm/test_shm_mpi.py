@@ -190,3 +190,59 @@ def test_ranks_that_pick_different_algorithms_get_a_mismatch_error(world):
 def test_unknown_algorithm_is_a_clear_error(world):
     with pytest.raises(ValueError, match="algo must be one of auto, ring, shm, two_level"):
         hpcdp.allreduce(np.ones(3), algo="tree")
+
+
+def test_small_calls_take_the_compiled_round(world, rt):
+    """MPICH and Open MPI place the node's window parts evenly (MPI's default, contiguous):
+    the one-round calls of float32/64 and int32/64 run as one compiled call there."""
+    if world.Get_size() == 1:
+        pytest.skip("needs two ranks")
+    hpcdp.allreduce(np.ones(3, np.float32), algo="shm")  # (makes the window)
+    window = rt.node_data()
+    assert window.stride is not None, f"rank {world.Get_rank()}: parts not evenly spaced"
+    assert window.table(np.dtype(np.float32), 10) is not None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("call", ["blocking", "async"])
+def test_compiled_and_numpy_rounds_give_the_same_bits(world, rt, monkeypatch, dtype, call):
+    """The compiled one-round call against numpy's passes (what runs where the window's parts
+    are not evenly spaced): sums and float averages, lengths 1 to 16 Ki elements."""
+    rank = world.Get_rank()
+    ops = ["sum", "avg"] if np.dtype(dtype).kind == "f" else ["sum"]
+    hpcdp.allreduce(np.ones(3, np.float32), algo="shm")  # (makes the window)
+    results = {}
+    for path in ("compiled", "numpy"):
+        if path == "numpy" and world.Get_size() > 1:
+            monkeypatch.setattr(rt.node_data(), "stride", None)
+        for n in (1, 17, 1001, 16384):
+            for op in ops:
+                x = _inputs(rank, n, dtype)
+                if call == "blocking":
+                    hpcdp.allreduce(x, op=op, algo="shm", name="x")
+                else:
+                    hpcdp.allreduce_async(x, op=op, algo="shm", name="x").wait()
+                results[path, n, op] = x
+    for key in results:
+        if key[0] == "compiled":
+            assert np.array_equal(results[key], results[("numpy",) + key[1:]]), f"rank {rank}: {key}"
+            assert_identical_everywhere(world, results[key])
+
+
+@pytest.mark.parametrize("call", ["blocking", "async"])
+@pytest.mark.parametrize("check", [True, False])
+def test_a_late_rank_is_waited_for(world, call, check):
+    """The last rank arrives 50 ms late: the others' compiled round stops spinning, waits
+    the engine's way (MPI progress, the core yielded, the watchdog told who is late) and
+    then sums."""
+    import time
+    rank, size = world.Get_rank(), world.Get_size()
+    for i in range(3):
+        x = np.full(100 + i, float(rank + 1), np.float32)
+        if rank == size - 1:
+            time.sleep(0.05)
+        if call == "blocking":
+            hpcdp.allreduce(x, algo="shm", check=check)
+        else:
+            hpcdp.allreduce_async(x, algo="shm", check=check).wait()
+        assert np.all(x == size * (size + 1) / 2), f"rank {rank}, call {i}: {x[:3]}"
