@@ -128,6 +128,12 @@ class _Runtime:
                     _say_shm_refused(self, free, need, capacity)
         return w if w.win is not None else None
 
+    def node_data_made(self):
+        """The node window once its data halves are made, else ``None`` (not made yet, or
+        refused); involves no other rank."""
+        w = self._node_window
+        return w if w is not None and w.win is not None else None
+
     def node_data_ready(self) -> bool:
         """Whether :meth:`node_data` is decided (made, or refused), so that calling it
         involves no other rank."""

@@ -271,7 +271,7 @@ def _shm_call(rt, ctx, buf, op: int, check: bool) -> None:
     """A blocking shared-memory call as one plain function, once the node's data window is
     made; the first call (which makes it) and calls where ``/dev/shm`` is too small (the
     ring, see :meth:`_Runtime.node_data`) drive the generator."""
-    window = rt.node_data() if rt.node_data_ready() else None
+    window = rt.node_data_made()
     if window is None:
         drive(ctx.MPI, _allreduce_gen(rt, ctx, buf, op, check, True, None, None, "shm"), ctx.yield_cpu)
         return
@@ -280,8 +280,11 @@ def _shm_call(rt, ctx, buf, op: int, check: bool) -> None:
 
 
 def _shm_signature(rt, buf, op: int):
-    mine = (_ALLREDUCE, buf.n, buf.dtype.code, op, _allreduce_extra(None, "shm"))
+    mine = (_ALLREDUCE, buf.n, buf.dtype.code, op, _SHM_EXTRA)
     return _signature(rt.rank, "allreduce", buf, mine)
+
+
+_SHM_EXTRA = _allreduce_extra(None, "shm")  # (a per-call cost of the smallest calls)
 
 
 def _fits_one_message(buf, size: int) -> bool:
