@@ -188,7 +188,7 @@ class NodeWindow:
         if stride > 0 and all(a == addresses[0] + r * stride for r, a in enumerate(addresses)):
             self.stride = stride  # (MPI's default: the parts are contiguous, in rank order)
             # the compiled one-round call's [rank, polls, stride, seq, stage]
-            self.round_args = np.array([self.rank, self.spin_mask + 1, stride, 0, 0], dtype=np.int64)
+            self.round_args = np.array([self.rank, 1, stride, 0, 0], dtype=np.int64)
         self.node.Barrier()  # (a peer's Lock_all may need this rank inside MPI: flag waits are not)
 
     def views(self, dtype, n: int) -> list:

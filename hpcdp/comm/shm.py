@@ -39,7 +39,7 @@ reads a half only between two of its rounds, so a rank writing a half again (two
 rounds later) never overwrites what a slower rank still reads.
 
 Steps reported to ``ctx.on_step`` (level-2 traces; no bytes: nothing is sent): one round,
-0 (copy in and the round) and 1 (the sum), or 0 alone when compiled; larger buffers, per segment ``s``, ``3s``
+0 (copy in and the round) and 1 (the sum); larger buffers, per segment ``s``, ``3s``
 (copy in and the first round), ``3s + 1`` (own slice reduced and the second round) and
 ``3s + 2`` (copy out).
 """
@@ -49,7 +49,8 @@ import numpy as np
 
 from .nodewin import Round, node_round
 from .schedule import chunk_bounds
-from .shm_kernels import FUSED_DTYPES, MISMATCH, ROUND_DTYPES, SUMMED, one_round, reduce_slice
+from .shm_kernels import (ARRIVE, FINISH, FUSED_DTYPES, MISMATCH, ROUND_DTYPES, START, SUMMED, WAITING,
+                          one_round, reduce_slice)
 from .waiting import complete, drive
 
 __all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "copy_out", "reduce_in_ring_order",
@@ -93,10 +94,10 @@ def shm_allreduce_blocking(ctx, window, buf, average: bool, sig=None, small: int
         return
     table = _table(window, buf)
     if table is not None:
-        if not _compiled_round(window, buf, table, average, sig, 0):
+        if _compiled_round(window, buf, table, average, sig, START, window.spin_mask + 1) == WAITING:
             ctx.at("shared-memory allreduce: flag round")
             complete(ctx.MPI, Round(window, ctx.where), ctx.yield_cpu)
-            _compiled_round(window, buf, table, average, sig, 1)
+            _compiled_round(window, buf, table, average, sig, FINISH, 1)
         return
     parts = copy_in(window, buf, 0, buf.n, average, window.size)
     pending = window.post(None if sig is None else sig[0], ctx.where)
@@ -119,25 +120,24 @@ def _table(window, buf):
     return window.table(buf.data.dtype, buf.n)
 
 
-def _compiled_round(window, buf, table, average: bool, sig, stage: int) -> bool:
-    """Stage 0 (copy in, arrive, wait while the peers are near) or 1 (after the caller's
-    wait) of the compiled one-round call; ``True`` once summed (then the next call takes
-    the other half), ``False`` while a peer has not arrived. A signature mismatch calls
-    ``sig[1]`` (which raises) on every rank."""
+def _compiled_round(window, buf, table, average: bool, sig, stage: int, polls: int) -> int:
+    """The compiled one-round call from ``stage`` (``START``, ``ARRIVE``: copy in and
+    arrive; ``FINISH``: after the caller's wait), polling the numbers up to ``polls`` times;
+    its status (``SUMMED``: then the next call takes the other half). A signature mismatch
+    calls ``sig[1]`` (which raises) on every rank."""
     args = window.round_args
-    if stage == 0:
+    if stage != FINISH:
         window.seq += 1
         args[3] = window.seq
-    args[4] = stage
+    args[1], args[4] = polls, stage
     status = one_round(buf.data, table, window.seqs, window.slot_fields[window.seq & 1],
                        _NO_FIELDS if sig is None else window.sig_fields(sig[0]),
                        _divisor(buf.data.dtype, window.size if average else 1), args)
     if status == MISMATCH:
         sig[1](window.mismatch(sig[0]))
-    if status != SUMMED:
-        return False
-    window.half ^= 1
-    return True
+    if status == SUMMED:
+        window.half ^= 1
+    return status
 
 
 _NO_FIELDS = np.zeros(0, dtype=np.int64)  # an unchecked call's signature
@@ -187,11 +187,17 @@ def _sum_in_rank_order(window, buf, parts, average: bool):
 def _one_round(ctx, window, buf, average: bool, sig):
     table = _table(window, buf)
     if table is not None:
-        if not _compiled_round(window, buf, table, average, sig, 0):
+        # one poll: the engine waits its own way (the progress thread too); traced, the
+        # round and the sum are timed apart
+        status = _compiled_round(window, buf, table, average, sig,
+                                 START if ctx.on_step is None else ARRIVE, 1)
+        if status == WAITING:
             ctx.at("shared-memory allreduce: flag round")
             yield Round(window, ctx.where)
-            _compiled_round(window, buf, table, average, sig, 1)
-        ctx.step_done(0, 0, 0)
+        if status != SUMMED:
+            ctx.step_done(0, 0, 0)
+            _compiled_round(window, buf, table, average, sig, FINISH, 1)
+        ctx.step_done(1, 0, 0)
         return
     ctx.at("shared-memory allreduce: copy in")
     parts = copy_in(window, buf, 0, buf.n, average, window.size)

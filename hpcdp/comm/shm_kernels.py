@@ -7,10 +7,10 @@ about a microsecond each) was most of a 4 KiB call:
 1. copy the buffer into this rank's row of the window's current half;
 2. write the call's signature (when checked) into its slot, then raise this rank's
    sequence number with a release store (:mod:`hpcdp.comm.atomics`);
-3. wait, at most ``polls`` acquire loads of the numbers, for every rank's number to reach
-   it; if one has not, return ``WAITING``: the caller waits its own way (poking MPI,
-   yielding the core, telling the watchdog who is late) and calls again with
-   ``stage = 1``, which starts here;
+3. poll the numbers (acquire loads), up to ``polls`` times (at least 1), until every
+   rank's has reached it; if one has not, return ``WAITING``: the caller waits its own way
+   (poking MPI, yielding the core, telling the watchdog who is late) and calls again with
+   ``stage = FINISH``, which starts here (``stage = ARRIVE`` stops here: ``ARRIVED``);
 4. compare every rank's signature with this rank's: ``MISMATCH`` if one differs (nothing
    is summed: the caller raises on every rank);
 5. ``out = row 0 + row 1 + ...`` in rank order, then ``/ divisor`` (no division when
@@ -29,8 +29,8 @@ Both: the same float arithmetic in the same order as numpy's
 """
 from __future__ import annotations
 
-__all__ = ["FUSED_DTYPES", "ROUND_DTYPES", "WAITING", "SUMMED", "MISMATCH", "one_round",
-           "reduce_slice"]
+__all__ = ["FUSED_DTYPES", "ROUND_DTYPES", "WAITING", "SUMMED", "MISMATCH", "ARRIVED", "START",
+           "FINISH", "ARRIVE", "one_round", "reduce_slice"]
 
 #: dtypes :func:`reduce_slice` takes (the others use numpy's passes)
 FUSED_DTYPES = ("float32", "float64")
@@ -38,7 +38,10 @@ FUSED_DTYPES = ("float32", "float64")
 ROUND_DTYPES = ("float32", "float64", "int32", "int64")
 
 #: what :func:`one_round` returns
-WAITING, SUMMED, MISMATCH = 0, 1, 2
+WAITING, SUMMED, MISMATCH, ARRIVED = 0, 1, 2, 3
+#: where :func:`one_round` starts and stops: steps 1-5, steps 3-5, steps 1-3 (``ARRIVED``
+#: once everyone has: a level-2 trace times the round and the sum apart)
+START, FINISH, ARRIVE = 0, 1, 2
 
 #: elements per block (a block of each operand stays in L1/L2 across the passes)
 _BLOCK = 4096
@@ -140,18 +143,20 @@ def _compile_round():
         # strided 2-D view did not)
         rank, polls, stride, seq, stage = args[0], args[1], args[2] // out.itemsize, args[3], args[4]
         size, n, fields = len(seqs), out.shape[0], sig.shape[0]
-        if stage == 0:
+        if stage != FINISH:
             copy(table[rank * stride:rank * stride + n], out)
             for f in range(fields):
                 slot[rank * fields + f] = sig[f]
             store_release(seqs, rank, seq)
         arrived = False
-        for _ in range(polls if stage == 0 else 1):
+        for _ in range(polls):
             if everyone_at(seqs, size, seq):
                 arrived = True
                 break
         if not arrived:
             return WAITING
+        if stage == ARRIVE:
+            return ARRIVED
         for r in range(size):
             for f in range(fields):
                 if slot[r * fields + f] != sig[f]:

@@ -106,17 +106,28 @@ def test_one_round_sums_in_rank_order_with_numpys_bits(dtype, size, n):
         assert np.array_equal(node.row(me), xs[me]) and node.seqs[me] == seq
 
 
-def test_one_round_waits_for_a_late_rank_then_finishes_at_stage_one():
+def test_one_round_waits_for_a_late_rank_then_finishes():
     node, x = FakeNode(3, 10, np.float32), np.full(10, 1.0, np.float32)
     _arrive(node, 0, np.full(10, 2.0, np.float32), 7)
     node.seqs[2] = 6  # rank 2 is still at the round before
     assert node.call(1, x, 7) == shm_kernels.WAITING
     assert np.all(x == 1.0), "nothing is summed before everyone arrived"
     assert node.seqs[1] == 7 and np.all(node.row(1) == 1.0), "but this rank has arrived"
-    assert node.call(1, x, 7, stage=1) == shm_kernels.WAITING  # (still late: still waiting)
+    assert node.call(1, x, 7, stage=shm_kernels.FINISH) == shm_kernels.WAITING  # (still late)
     _arrive(node, 2, np.full(10, 4.0, np.float32), 7)
-    assert node.call(1, x, 7, stage=1) == shm_kernels.SUMMED
+    assert node.call(1, x, 7, stage=shm_kernels.FINISH) == shm_kernels.SUMMED
     assert np.all(x == 7.0)
+
+
+def test_one_round_can_stop_at_the_arrival_and_sum_later():
+    """stage ARRIVE (a traced call: the round and the sum are timed apart) copies in and
+    waits, but sums only when called again with FINISH."""
+    node, x = FakeNode(2, 10, np.float32), np.full(10, 1.0, np.float32)
+    _arrive(node, 0, np.full(10, 2.0, np.float32), 3)
+    assert node.call(1, x, 3, stage=shm_kernels.ARRIVE) == shm_kernels.ARRIVED
+    assert np.all(x == 1.0) and node.seqs[1] == 3
+    assert node.call(1, x, 3, stage=shm_kernels.FINISH) == shm_kernels.SUMMED
+    assert np.all(x == 3.0)
 
 
 def test_one_round_reports_a_signature_mismatch_without_summing():
