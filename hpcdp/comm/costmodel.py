@@ -28,6 +28,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .shm import SHM_CAPACITY as SHM_SEGMENT
+from .shm import SHM_SMALL, one_round_fits
+
 ENV_VAR = "HPCDP_CALIBRATION"
 # one message of MPI's own C implementation inside a node (MPICH shared memory, a few us)
 NATIVE_ALPHA_INTRA = 2e-6
@@ -36,8 +39,6 @@ NATIVE_ALPHA_INTRA = 2e-6
 #: not linear between 4 and 64 KiB, here 5.9 us at 4 KiB, 9.2 at 8, 10.9 at 32, 14.9 at 64)
 PROFILE_SIZES = (8, 4 << 10, 16 << 10, 32 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 PROFILES = ("p2p", "copy", "add", "native_add", "shared_copy", "shared_add", "shared_write")
-SHM_SEGMENT = 4 << 20
-SHM_SMALL = 64 << 10
 ALGOS = ("ring", "shm", "two_level", "native_rd", "native_rsag", "native")
 HPCDP_ALGOS = ("ring", "shm", "two_level")
 #: two_level's stages across nodes (hpcdp.comm.twolevel)
@@ -364,9 +365,10 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
     scaled; additions at the slice's. Reads of what another rank wrote and writes of what
     another rank read take the shared profiles (:meth:`Calibration.t_shared_copy`,
     :meth:`~Calibration.t_shared_add`, :meth:`~Calibration.t_shared_write`).
-    Up to ``small`` bytes, the one-round variant is taken when it is faster: copy in, one flag
-    round, every rank reduces the whole buffer itself (a copy and L - 1 additions of n, read
-    from the window)."""
+    Where one round fits (:func:`hpcdp.comm.shm.one_round_fits`: up to ``small`` bytes and a
+    bounded read of the others' inputs), the one-round variant is taken when it is faster:
+    copy in, one flag round, every rank reduces the whole buffer itself (a copy and L - 1
+    additions of n, read from the window)."""
     if ranks == 1 or n == 0:
         return cal.alpha_call
     L = ranks
@@ -374,7 +376,7 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
     big = (segments * 2 * cal.alpha_sync
            + (L - 1) / L * (cal.t_shared_write(n) + cal.t_shared_copy(n))
            + cal.t_shared_write(n / L) + (L - 1) * cal.t_shared_add(n / L))
-    if n <= small:
+    if one_round_fits(n, L, small):
         one_round = (cal.alpha_sync + cal.t_shared_write(n) + cal.t_shared_copy(n)
                      + (L - 1) * cal.t_shared_add(n))
         big = min(big, one_round)

@@ -3,7 +3,8 @@
 For ranks that all share one node, over N ranks, with the node's
 :class:`~hpcdp.comm.nodewin.NodeWindow` (two halves of ``capacity`` bytes per rank).
 
-**Small buffers** (at most ``small`` bytes): one flag round.
+**Small buffers** (at most ``small`` bytes, and at most ``SHM_ROUND_READS`` bytes of the
+other ranks' inputs to read: :func:`one_round_fits`): one flag round.
 
 1. each rank copies its buffer into its current half (fp16/bf16 averages: divided by
    N first, as the ring does, so that the sum cannot overflow);
@@ -29,7 +30,7 @@ also waits for the round while the peers are near), else as numpy passes and
 4. flag round;
 5. every rank copies slice j out of rank j's part, for every j but its own.
 
-So a buffer of one segment above ``small`` bytes gets the ring's bits from ``algo="shm"``
+So a buffer of one segment too large for one round gets the ring's bits from ``algo="shm"``
 too (a longer one gets, per segment, the ring's bits for that segment); the one-round
 path adds in rank order instead (the same bits as the ring for two ranks only). Either
 way every rank holds the same bits.
@@ -54,12 +55,18 @@ from .shm_kernels import (ARRIVE, FINISH, FUSED_DTYPES, MISMATCH, ROUND_DTYPES, 
 from .waiting import complete, drive
 
 __all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "copy_out", "reduce_in_ring_order",
-           "reduce_own_slice", "segment_elements", "SHM_CAPACITY", "SHM_SMALL", "HALF_DTYPES"]
+           "reduce_own_slice", "segment_elements", "one_round_fits", "SHM_CAPACITY", "SHM_SMALL",
+           "SHM_ROUND_READS", "HALF_DTYPES"]
 
 #: bytes of a segment (each rank's window part holds two)
 SHM_CAPACITY = 4 << 20
-#: buffers up to this many bytes take the one-round path
-SHM_SMALL = 64 << 10
+#: buffers up to this many bytes take the one-round path (np = 2-4 here, 64 KiB to 1 MiB
+#: buffers: one round was 15-30 % faster than two at 128 KiB, even at 256, slower at 1 MiB) ...
+SHM_SMALL = 128 << 10
+#: ... where each rank reads at most this many bytes of the others' inputs: one round reads
+#: all N - 1 of them, two rounds about two buffers' worth whatever N, so on a node of dozens
+#: of ranks one round would read far more than the round it saves costs
+SHM_ROUND_READS = 256 << 10
 
 #: dtypes whose averages are divided before the sum (a sum of N halves can overflow)
 HALF_DTYPES = ("float16", "bfloat16")
@@ -108,8 +115,14 @@ def shm_allreduce_blocking(ctx, window, buf, average: bool, sig=None, small: int
     _sum_in_rank_order(window, buf, parts, average)
 
 
+def one_round_fits(nbytes: int, ranks: int, small: int = SHM_SMALL) -> bool:
+    """Whether an allreduce of ``nbytes`` over ``ranks`` ranks of a node takes one round."""
+    return nbytes <= small and nbytes * (ranks - 1) <= SHM_ROUND_READS
+
+
 def _one_round_fits(window, buf, small: int) -> bool:
-    return buf.n * buf.data.dtype.itemsize <= min(small, window.capacity)
+    nbytes = buf.n * buf.data.dtype.itemsize
+    return nbytes <= window.capacity and one_round_fits(nbytes, window.size, small)
 
 
 def _table(window, buf):

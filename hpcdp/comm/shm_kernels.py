@@ -1,6 +1,7 @@
 """numba kernels of the shared-memory allreduce (:mod:`hpcdp.comm.shm`).
 
-**The one-round call** (:func:`one_round`, buffers up to ``SHM_SMALL``): the whole call in
+**The one-round call** (:func:`one_round`, small buffers, see
+:func:`~hpcdp.comm.shm.one_round_fits`): the whole call in
 one compiled function, where Python's per-step cost (a numpy call, an ``MPI_Win_sync``:
 about a microsecond each) was most of a 4 KiB call:
 

@@ -6,7 +6,7 @@ import pytest
 import hpcdp
 from bits import assert_identical_everywhere, rank_inputs
 from hpcdp.comm.schedule import simulate
-from hpcdp.comm.shm import SHM_CAPACITY, SHM_SMALL
+from hpcdp.comm.shm import SHM_CAPACITY, SHM_SMALL, one_round_fits
 
 pytestmark = pytest.mark.mpi
 
@@ -36,7 +36,8 @@ def _segments_ring_sum(size, n, dtype, capacity):
 
 
 def _expected(size, n, dtype, small=SHM_SMALL, capacity=SHM_CAPACITY):
-    if n * np.dtype(dtype).itemsize <= min(small, capacity):
+    nbytes = n * np.dtype(dtype).itemsize
+    if nbytes <= capacity and one_round_fits(nbytes, size, small):
         return _rank_order_sum(size, n, dtype)
     return _segments_ring_sum(size, n, dtype, capacity)
 
@@ -45,7 +46,7 @@ def _expected(size, n, dtype, small=SHM_SMALL, capacity=SHM_CAPACITY):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("call", ["blocking", "async"])
 def test_shm_sum_has_the_documented_bits(world, n, dtype, call):
-    """Up to SHM_SMALL bytes the inputs added in rank order; above, the ring's own bits
+    """Where one round fits the inputs added in rank order; above, the ring's own bits
     (these buffers fit one segment)."""
     rank, size = world.Get_rank(), world.Get_size()
     x = _inputs(rank, n, dtype)
@@ -55,7 +56,7 @@ def test_shm_sum_has_the_documented_bits(world, n, dtype, call):
         hpcdp.allreduce_async(x, op="sum", algo="shm", name="x").wait()
     assert np.array_equal(x, _expected(size, n, dtype)), f"rank {rank}"
     assert_identical_everywhere(world, x)
-    if n * np.dtype(dtype).itemsize > SHM_SMALL:
+    if not one_round_fits(n * np.dtype(dtype).itemsize, size):
         y = _inputs(rank, n, dtype)
         hpcdp.allreduce(y, op="sum", algo="ring", name="x")
         assert np.array_equal(x, y), f"rank {rank}: shm and ring bits differ"
