@@ -187,8 +187,8 @@ class NodeWindow:
         stride = addresses[1] - addresses[0] if self.size > 1 else 0
         if stride > 0 and all(a == addresses[0] + r * stride for r, a in enumerate(addresses)):
             self.stride = stride  # (MPI's default: the parts are contiguous, in rank order)
-            # the compiled one-round call's [rank, polls, stride, seq, stage]
-            self.round_args = np.array([self.rank, 1, stride, 0, 0], dtype=np.int64)
+            # the compiled calls' [rank, polls, stride, seq, stage, stop] (hpcdp.comm.shm_kernels)
+            self.round_args = np.array([self.rank, 1, stride, 0, 0, 0], dtype=np.int64)
         self.node.Barrier()  # (a peer's Lock_all may need this rank inside MPI: flag waits are not)
 
     def views(self, dtype, n: int) -> list:

@@ -50,8 +50,8 @@ import numpy as np
 
 from .nodewin import Round, node_round
 from .schedule import chunk_bounds
-from .shm_kernels import (ARRIVE, FINISH, FUSED_DTYPES, MISMATCH, ROUND_DTYPES, START, SUMMED, WAITING,
-                          one_round, reduce_slice)
+from .shm_kernels import (ARRIVE, AT_1, DONE, FINISH, FUSED_DTYPES, MISMATCH, ROUND_DTYPES, START,
+                          SUMMED, WAIT_1, WAIT_2, WAITING, one_round, reduce_slice, segment)
 from .waiting import complete, drive
 
 __all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "copy_out", "reduce_in_ring_order",
@@ -72,12 +72,14 @@ SHM_ROUND_READS = 256 << 10
 HALF_DTYPES = ("float16", "bfloat16")
 
 
-def shm_allreduce(ctx, window, buf, average: bool, sig=None, small: int = SHM_SMALL):
+def shm_allreduce(ctx, window, buf, average: bool, sig=None, small: int = SHM_SMALL,
+                  polls: int = 1):
     """Generator: in-place allreduce of host ``buf`` over the node (see the module
     docstring). ``sig``: ``None``, or ``(signature, on_mismatch)``: the first round then
     checks that every rank posted the same signature and otherwise calls
-    ``on_mismatch(everyone)`` (which raises) on every rank. One rank, or no element: nothing
-    to do (as on the ring)."""
+    ``on_mismatch(everyone)`` (which raises) on every rank. ``polls``: how often a compiled
+    segment polls a round before it yields it to the caller's wait. One rank, or no
+    element: nothing to do (as on the ring)."""
     if window.size == 1 or buf.n == 0:
         return
     ctx.step_started()
@@ -85,8 +87,13 @@ def shm_allreduce(ctx, window, buf, average: bool, sig=None, small: int = SHM_SM
         yield from _one_round(ctx, window, buf, average, sig)
         return
     per = segment_elements(window, buf)
+    compiled = _table(window, buf) is not None  # (dtype and window as for one round)
     for s, lo in enumerate(range(0, buf.n, per)):
-        yield from _segment(ctx, window, buf, lo, min(buf.n, lo + per), average, sig, 3 * s)
+        hi = min(buf.n, lo + per)
+        if compiled:
+            yield from _compiled_segment(ctx, window, buf, lo, hi, average, sig, 3 * s, polls)
+        else:
+            yield from _segment(ctx, window, buf, lo, hi, average, sig, 3 * s)
         sig = None
 
 
@@ -97,7 +104,8 @@ def shm_allreduce_blocking(ctx, window, buf, average: bool, sig=None, small: int
     if window.size == 1 or buf.n == 0:
         return
     if not _one_round_fits(window, buf, small):
-        drive(ctx.MPI, shm_allreduce(ctx, window, buf, average, sig, small), ctx.yield_cpu)
+        drive(ctx.MPI, shm_allreduce(ctx, window, buf, average, sig, small, window.spin_mask + 1),
+              ctx.yield_cpu)
         return
     table = _table(window, buf)
     if table is not None:
@@ -219,6 +227,36 @@ def _one_round(ctx, window, buf, average: bool, sig):
     ctx.at("shared-memory allreduce: sum")
     _sum_in_rank_order(window, buf, parts, average)
     ctx.step_done(1, 0, 0)
+
+
+def _compiled_segment(ctx, window, buf, lo: int, hi: int, average: bool, sig, step: int,
+                      polls: int):
+    """Generator: :func:`_segment` as the compiled segment
+    (:func:`~hpcdp.comm.shm_kernels.segment`), called again after each wait (and, traced,
+    after each round, to time the steps apart)."""
+    seg, table, first = buf.data[lo:hi], window.table(buf.data.dtype, hi - lo), window.seq
+    fields = _NO_FIELDS if sig is None else window.sig_fields(sig[0])
+    divisor = _divisor(buf.data.dtype, window.size if average else 1)
+    args, status = window.round_args, WAIT_1
+    args[1], args[3], args[5] = polls, first, ctx.on_step is not None
+    args[4] = 0
+    ctx.at("shared-memory allreduce: copy in")
+    while True:
+        status = segment(seg, table, window.seqs, window.slot_fields[(first + 1) & 1], fields,
+                         divisor, args)
+        window.seq = first + (1 if status in (WAIT_1, AT_1, MISMATCH) else 2)
+        if status == MISMATCH:
+            sig[1](window.mismatch(sig[0]))
+        if status == DONE:
+            break
+        if status in (WAIT_1, WAIT_2):
+            ctx.at("shared-memory allreduce: flag round")
+            yield Round(window, ctx.where)
+        else:
+            ctx.step_done(step if status == AT_1 else step + 1, 0, 0)
+        args[4] = status - WAIT_1 + 1  # (where to resume: the step after this status)
+    window.half ^= 1
+    ctx.step_done(step + 2, 0, 0)
 
 
 def _segment(ctx, window, buf, lo: int, hi: int, average: bool, sig, step: int):

@@ -18,6 +18,23 @@ about a microsecond each) was most of a 4 KiB call:
    it is 1): the additions and division of the numpy path in the same order, so the
    same bits; ``SUMMED``.
 
+**The two-round segment** (:func:`segment`, larger buffers, float32/64 and int32/64):
+one segment of the owner-computes path in one compiled function, resumable at each wait:
+
+1. copy every slice of the segment but this rank's own (slice j: the ring's chunk j)
+   into this rank's row; the signature; arrive at the first round (release store);
+2. poll the first round (``WAIT_1`` while a rank is missing);
+3. compare the signatures (``MISMATCH``); reduce this rank's slice k from its own buffer
+   and the other rows in the ring's order for chunk k (k + 1, k + 2, ... cyclically, block
+   by block as :func:`reduce_slice`), divided for an average, into its row and its
+   buffer; arrive at the second round;
+4. poll the second round (``WAIT_2``);
+5. copy every other slice j out of row j: ``DONE``.
+
+``args[4]`` is where to start (0, or 1-4 after a stop: the step of that number) and
+``args[5]`` set stops after each round (``AT_1``, ``AT_2``: a level-2 trace times the
+steps apart).
+
 **The owner's reduction** (:func:`reduce_slice`, larger buffers): the owner of slice k reduces it in one pass, block by block: its own input plus the
 other ranks' slices in the ring's order, divided for an average, written twice: into
 its window part (where the other ranks copy it from) and into its own buffer. numpy
@@ -31,7 +48,8 @@ Both: the same float arithmetic in the same order as numpy's
 from __future__ import annotations
 
 __all__ = ["FUSED_DTYPES", "ROUND_DTYPES", "WAITING", "SUMMED", "MISMATCH", "ARRIVED", "START",
-           "FINISH", "ARRIVE", "one_round", "reduce_slice"]
+           "FINISH", "ARRIVE", "WAIT_1", "AT_1", "WAIT_2", "AT_2", "DONE", "one_round", "segment",
+           "reduce_slice"]
 
 #: dtypes :func:`reduce_slice` takes (the others use numpy's passes)
 FUSED_DTYPES = ("float32", "float64")
@@ -40,6 +58,8 @@ ROUND_DTYPES = ("float32", "float64", "int32", "int64")
 
 #: what :func:`one_round` returns
 WAITING, SUMMED, MISMATCH, ARRIVED = 0, 1, 2, 3
+#: what :func:`segment` returns (and where to resume after it: 1, 2, 3, 4)
+WAIT_1, AT_1, WAIT_2, AT_2, DONE = 10, 11, 12, 13, 14
 #: where :func:`one_round` starts and stops: steps 1-5, steps 3-5, steps 1-3 (``ARRIVED``
 #: once everyone has: a level-2 trace times the round and the sum apart)
 START, FINISH, ARRIVE = 0, 1, 2
@@ -49,6 +69,7 @@ _BLOCK = 4096
 
 _kernel = None
 _round = None
+_segment = None
 
 
 def one_round(out, table, seqs, slot, sig, divisor, args) -> int:
@@ -62,6 +83,17 @@ def one_round(out, table, seqs, slot, sig, divisor, args) -> int:
     if _round is None:
         _round = _compile_round()
     return _round(out, table, seqs, slot, sig, divisor, args)
+
+
+def segment(seg, table, seqs, slot, sig, divisor, args) -> int:
+    """The two-round segment (module docstring) on ``seg``, the buffer's segment, over
+    ``table`` (the window's current half, :meth:`~hpcdp.comm.nodewin.NodeWindow.table`);
+    ``seqs``, ``slot``, ``sig``, ``divisor`` as for :func:`one_round`; ``args``: int64
+    ``[rank, polls, stride (bytes), seq (the round before the first), start, stop]``."""
+    global _segment
+    if _segment is None:
+        _segment = _compile_segment()
+    return _segment(seg, table, seqs, slot, sig, divisor, args)
 
 
 def reduce_slice(win_out, own, peers: tuple, divisor: int) -> None:
@@ -131,12 +163,7 @@ def _compile_round():
     opts = dict(nogil=True, cache=True, fastmath=False)
     add, add_to, divide, copy = _elementwise(numba, opts)
 
-    @numba.njit(inline="always", **opts)
-    def everyone_at(seqs, size, seq):
-        for r in range(size):
-            if load_acquire(seqs, r) < seq:
-                return False
-        return True
+    everyone_at = _everyone_at(numba, opts, load_acquire)
 
     @numba.njit(**opts)
     def one_round_kernel(out, table, seqs, slot, sig, divisor, args):
@@ -170,3 +197,86 @@ def _compile_round():
         return SUMMED
 
     return one_round_kernel
+
+
+def _everyone_at(numba, opts, load_acquire):
+    @numba.njit(inline="always", **opts)
+    def everyone_at(seqs, size, seq):
+        for r in range(size):
+            if load_acquire(seqs, r) < seq:
+                return False
+        return True
+
+    return everyone_at
+
+
+def _compile_segment():
+    import numba
+
+    from .atomics import store_release, load_acquire
+
+    opts = dict(nogil=True, cache=True, fastmath=False)
+    add, add_to, divide, copy = _elementwise(numba, opts)
+    everyone_at = _everyone_at(numba, opts, load_acquire)
+
+    @numba.njit(inline="always", **opts)
+    def arrived(seqs, size, seq, polls):
+        for _ in range(polls):
+            if everyone_at(seqs, size, seq):
+                return True
+        return False
+
+    @numba.njit(**opts)
+    def segment_kernel(seg, table, seqs, slot, sig, divisor, args):
+        rank, polls, stride, seq = args[0], args[1], args[2] // seg.itemsize, args[3]
+        stage, stop = args[4], args[5]
+        size, m, fields = len(seqs), seg.shape[0], sig.shape[0]
+        base, extra = m // size, m % size  # the ring's chunk bounds (schedule.chunk_bounds)
+        a = rank * base + min(rank, extra)
+        b = a + base + (1 if rank < extra else 0)
+        mine = table[rank * stride:rank * stride + m]
+        if stage == 0:
+            copy(mine[:a], seg[:a])
+            copy(mine[b:], seg[b:])
+            for f in range(fields):
+                slot[rank * fields + f] = sig[f]
+            store_release(seqs, rank, seq + 1)
+            stage = 1
+        if stage == 1:
+            if not arrived(seqs, size, seq + 1, polls):
+                return WAIT_1
+            stage = 2
+            if stop:
+                return AT_1
+        if stage == 2:
+            for r in range(size):
+                for f in range(fields):
+                    if slot[r * fields + f] != sig[f]:
+                        return MISMATCH
+            for lo in range(a, b, _BLOCK):  # (block by block: the passes run in cache)
+                hi = min(b, lo + _BLOCK)
+                out = mine[lo:hi]
+                peer = (rank + 1) % size
+                add(out, seg[lo:hi], table[peer * stride + lo:peer * stride + hi])
+                for i in range(2, size):
+                    peer = (rank + i) % size
+                    add_to(out, table[peer * stride + lo:peer * stride + hi])
+                if divisor[0] != 1:
+                    divide(out, divisor[0])
+                copy(seg[lo:hi], out)
+            store_release(seqs, rank, seq + 2)
+            stage = 3
+        if stage == 3:
+            if not arrived(seqs, size, seq + 2, polls):
+                return WAIT_2
+            stage = 4
+            if stop:
+                return AT_2
+        for j in range(size):
+            if j != rank:
+                p = j * base + min(j, extra)
+                q = p + base + (1 if j < extra else 0)
+                copy(seg[p:q], table[j * stride + p:j * stride + q])
+        return DONE
+
+    return segment_kernel

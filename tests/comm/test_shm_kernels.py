@@ -158,3 +158,70 @@ def test_one_round_sees_a_rank_that_arrives_while_it_spins():
     assert node.call(1, x, 1, polls=1 << 31) == shm_kernels.SUMMED
     thread.join()
     assert np.all(x == 3.0)
+
+
+# -- the compiled two-round segment -------------------------------------------------------------
+def _segment_call(node, rank, seg, seq, stage, sig=None, divisor=1, stop=0):
+    args = np.array([rank, 1, node.stride, seq, stage, stop], np.int64)
+    fields = np.zeros(0, np.int64) if sig is None else np.array(sig, np.int64)
+    return shm_kernels.segment(seg, node.table, node.seqs, node.slot, fields,
+                               np.full(1, divisor, seg.dtype), args)
+
+
+def _replay_segment(xs, divisor=1, sigs=None, stop=0):
+    """Every pretend rank through the kernel in turn, each resuming where it stopped until
+    all are DONE: what the ranks of a node do concurrently, in one of its interleavings."""
+    size, n = len(xs), len(xs[0])
+    node = FakeNode(size, n, xs[0].dtype)
+    segs = [x.copy() for x in xs]
+    stage, statuses = [0] * size, [[] for _ in range(size)]
+    while any(s != 5 for s in stage):
+        for r in range(size):
+            if stage[r] == 5:
+                continue
+            status = _segment_call(node, r, segs[r], 0, stage[r], None if sigs is None else sigs[r],
+                                   divisor, stop)
+            statuses[r].append(status)
+            if status == shm_kernels.MISMATCH:
+                return segs, statuses
+            stage[r] = 5 if status == shm_kernels.DONE else status - shm_kernels.WAIT_1 + 1
+    return segs, statuses
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("size", [2, 3, 5])
+@pytest.mark.parametrize("n", [1, 7, 1000, 2 * BLOCK + 3])
+@pytest.mark.parametrize("average", [False, True])
+def test_segment_has_the_rings_bits_on_every_rank(dtype, size, n, average):
+    """Slice k reduced by rank k in the ring's order for chunk k, divided for an average,
+    then copied out by everyone: the bits of the ring's replay (schedule.simulate)."""
+    from hpcdp.comm.schedule import simulate
+    if average and np.dtype(dtype).kind != "f":
+        pytest.skip("averages are of floats")
+    rng = np.random.default_rng(size * 7 + n)
+    xs = [(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, n)).astype(dtype)
+          if np.dtype(dtype).kind == "f" else rng.integers(-1000, 1000, n).astype(dtype)
+          for _ in range(size)]
+    finish = (lambda v: np.divide(v, v.dtype.type(size), out=v)) if average else None
+    expected = simulate(xs, finish=finish)[0]
+    segs, statuses = _replay_segment(xs, size if average else 1)
+    for r in range(size):
+        assert np.array_equal(segs[r].view(np.uint8), expected.view(np.uint8)), f"rank {r}"
+        assert statuses[r][-1] == shm_kernels.DONE
+
+
+def test_segment_waits_at_each_round_and_stops_there_when_traced():
+    xs = [np.full(10, float(r + 1), np.float32) for r in range(2)]
+    K = shm_kernels
+    segs, statuses = _replay_segment(xs)  # rank 0 first: it waits for rank 1 at round 1, ...
+    assert statuses == [[K.WAIT_1, K.DONE], [K.WAIT_2, K.DONE]]  # ... rank 1 for it at round 2
+    segs, statuses = _replay_segment(xs, stop=1)
+    assert statuses == [[K.WAIT_1, K.AT_1, K.AT_2, K.DONE], [K.AT_1, K.WAIT_2, K.AT_2, K.DONE]]
+    assert all(np.all(s == 3.0) for s in segs)
+
+
+def test_segment_reports_a_signature_mismatch_before_reducing():
+    xs = [np.full(10, 1.0, np.float32) for _ in range(2)]
+    segs, statuses = _replay_segment(xs, sigs=[(1, 10, 2, 1, 0), (1, 11, 2, 1, 0)])
+    assert shm_kernels.MISMATCH in statuses[0] + statuses[1]
+    assert all(np.all(s == 1.0) for s in segs), "nothing reduced"

@@ -207,8 +207,9 @@ def test_small_calls_take_the_compiled_round(world, rt):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("call", ["blocking", "async"])
 def test_compiled_and_numpy_rounds_give_the_same_bits(world, rt, monkeypatch, dtype, call):
-    """The compiled one-round call against numpy's passes (what runs where the window's parts
-    are not evenly spaced): sums and float averages, lengths 1 to 16 Ki elements."""
+    """The compiled one-round call and two-round segments against numpy's passes (what runs
+    where the window's parts are not evenly spaced): sums and float averages, lengths 1 to
+    16 Ki elements (one round) and 64 Ki + 1 and 1.1 Mi (one and two segments)."""
     rank = world.Get_rank()
     ops = ["sum", "avg"] if np.dtype(dtype).kind == "f" else ["sum"]
     hpcdp.allreduce(np.ones(3, np.float32), algo="shm")  # (makes the window)
@@ -216,7 +217,7 @@ def test_compiled_and_numpy_rounds_give_the_same_bits(world, rt, monkeypatch, dt
     for path in ("compiled", "numpy"):
         if path == "numpy" and world.Get_size() > 1:
             monkeypatch.setattr(rt.node_data(), "stride", None)
-        for n in (1, 17, 1001, 16384):
+        for n in (1, 17, 1001, 16384, 65537, 1_100_001):
             for op in ops:
                 x = _inputs(rank, n, dtype)
                 if call == "blocking":
@@ -233,13 +234,13 @@ def test_compiled_and_numpy_rounds_give_the_same_bits(world, rt, monkeypatch, dt
 @pytest.mark.parametrize("call", ["blocking", "async"])
 @pytest.mark.parametrize("check", [True, False])
 def test_a_late_rank_is_waited_for(world, call, check):
-    """The last rank arrives 50 ms late: the others' compiled round stops spinning, waits
-    the engine's way (MPI progress, the core yielded, the watchdog told who is late) and
-    then sums."""
+    """The last rank arrives 50 ms late: the others' compiled round (or segment) stops
+    spinning, waits the engine's way (MPI progress, the core yielded, the watchdog told who
+    is late) and then goes on."""
     import time
     rank, size = world.Get_rank(), world.Get_size()
-    for i in range(3):
-        x = np.full(100 + i, float(rank + 1), np.float32)
+    for i, n in enumerate((100, 101, 300_000)):  # (one round twice, then a segment)
+        x = np.full(n, float(rank + 1), np.float32)
         if rank == size - 1:
             time.sleep(0.05)
         if call == "blocking":
@@ -247,3 +248,42 @@ def test_a_late_rank_is_waited_for(world, call, check):
         else:
             hpcdp.allreduce_async(x, algo="shm", check=check).wait()
         assert np.all(x == size * (size + 1) / 2), f"rank {rank}, call {i}: {x[:3]}"
+
+
+@pytest.mark.parametrize("path", ["compiled", "numpy"])
+def test_traced_segments_report_three_steps_each(world, rt, monkeypatch, path):
+    """Level-2 traces time every segment's copy in and first round (3s), own slice and
+    second round (3s + 1) and copy out (3s + 2), compiled or not."""
+    from hpcdp.comm.buffers import as_buffer
+    from hpcdp.comm.op import OpContext
+    from hpcdp.comm.shm import shm_allreduce
+    from hpcdp.comm.waiting import drive
+    rank, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    node, window = _fresh_window(world, rt, 4096)
+    try:
+        if path == "numpy":
+            monkeypatch.setattr(window, "stride", None)
+        steps = []
+        ctx = OpContext(world, rt.MPI, 0, on_step=lambda index, *rest: steps.append(index))
+        x = _inputs(rank, 5000, np.float32)  # 5 segments of at most 1024 elements
+        drive(rt.MPI, shm_allreduce(ctx, window, as_buffer(x, "x"), False, small=0), False)
+        assert steps == list(range(15)), f"rank {rank}: {steps}"
+        assert np.array_equal(x, _expected(size, 5000, np.float32, 0, 4096)), f"rank {rank}"
+    finally:
+        window.free()
+        node.Free()
+
+
+def test_a_mismatch_in_a_segments_first_round_names_every_rank(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    x = np.ones(200_000 + (rank == size - 1), dtype=np.float32)
+    with pytest.raises(hpcdp.MismatchError) as err:
+        hpcdp.allreduce(x, algo="shm", name="grad")
+    assert "200001 elements" in str(err.value) and "200000 elements" in str(err.value), f"rank {rank}"
+    y = np.ones(300_000, dtype=np.float32)  # the window is still in step afterwards
+    hpcdp.allreduce(y, algo="shm")
+    assert np.all(y == size), f"rank {rank}: {y[:3]}"
