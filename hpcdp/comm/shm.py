@@ -13,10 +13,6 @@ other ranks' inputs to read: :func:`one_round_fits`): one flag round.
    additions in the same order everywhere, so the same bits everywhere), divided by N
    once for an average.
 
-For float32/64 and int32/64, where the window's parts lie evenly spaced (MPI's default),
-these steps run as one compiled call (:func:`~hpcdp.comm.shm_kernels.one_round`, which
-also waits for the round while the peers are near), else as numpy passes and
-``MPI_Win_sync``; the same bits either way.
 
 **Larger buffers**, in segments of at most ``capacity`` bytes, two rounds a segment:
 
@@ -25,10 +21,14 @@ also waits for the round while the peers are near), else as numpy passes and
 2. flag round;
 3. rank j reduces slice j: its own input plus rank j+1's, j+2's, ... (cyclically), the
    order in which the ring accumulates chunk j, so these bits are the ring's bits (owner
-   computes); divided by N for an average; written to its window part and to its buffer
-   (float32/float64: one pass, block by block, :mod:`hpcdp.comm.shm_kernels`);
+   computes); divided by N for an average; written to its window part and to its buffer;
 4. flag round;
 5. every rank copies slice j out of rank j's part, for every j but its own.
+
+For float32/64 and int32/64, where the window's parts lie evenly spaced (MPI's default),
+the one round and each segment run as one compiled call (:mod:`hpcdp.comm.shm_kernels`,
+which also polls the rounds while the peers are near), else as numpy passes and
+``MPI_Win_sync``; the same bits either way.
 
 So a buffer of one segment too large for one round gets the ring's bits from ``algo="shm"``
 too (a longer one gets, per segment, the ring's bits for that segment); the one-round
@@ -50,8 +50,8 @@ import numpy as np
 
 from .nodewin import Round, node_round
 from .schedule import chunk_bounds
-from .shm_kernels import (ARRIVE, AT_1, DONE, FINISH, FUSED_DTYPES, MISMATCH, ROUND_DTYPES, START,
-                          SUMMED, WAIT_1, WAIT_2, WAITING, one_round, reduce_slice, segment)
+from .shm_kernels import (ARRIVE, AT_1, DONE, FINISH, MISMATCH, ROUND_DTYPES, START, SUMMED, WAIT_1,
+                          WAIT_2, WAITING, one_round, segment)
 from .waiting import complete, drive
 
 __all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "copy_out", "reduce_in_ring_order",
@@ -295,9 +295,6 @@ def reduce_own_slice(ops, own, parts, k: int, bounds, scale: bool, divisor: int)
     a, b = bounds[k], bounds[k + 1]
     acc, n = parts[k][a:b], len(parts)
     peers = tuple(parts[(k + i) % n][a:b] for i in range(1, n))
-    if ops.dtype.name in FUSED_DTYPES:
-        reduce_slice(acc, own, peers, divisor if scale else 1)
-        return
     ops.sum_into(acc, own, peers[0])
     for peer in peers[1:]:
         ops.add(acc, peer)

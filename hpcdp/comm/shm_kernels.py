@@ -1,9 +1,10 @@
-"""numba kernels of the shared-memory allreduce (:mod:`hpcdp.comm.shm`).
+"""numba kernels of the shared-memory allreduce (:mod:`hpcdp.comm.shm`): each call of
+:mod:`~hpcdp.comm.shm` for float32/64 and int32/64 runs as one compiled function (per
+round or segment), where Python's per-step cost (a numpy pass, an ``MPI_Win_sync``: about
+a microsecond each, N + 1 passes for an owner's slice) was most of a small call.
 
 **The one-round call** (:func:`one_round`, small buffers, see
-:func:`~hpcdp.comm.shm.one_round_fits`): the whole call in
-one compiled function, where Python's per-step cost (a numpy call, an ``MPI_Win_sync``:
-about a microsecond each) was most of a 4 KiB call:
+:func:`~hpcdp.comm.shm.one_round_fits`):
 
 1. copy the buffer into this rank's row of the window's current half;
 2. write the call's signature (when checked) into its slot, then raise this rank's
@@ -15,19 +16,18 @@ about a microsecond each) was most of a 4 KiB call:
 4. compare every rank's signature with this rank's: ``MISMATCH`` if one differs (nothing
    is summed: the caller raises on every rank);
 5. ``out = row 0 + row 1 + ...`` in rank order, then ``/ divisor`` (no division when
-   it is 1): the additions and division of the numpy path in the same order, so the
-   same bits; ``SUMMED``.
+   it is 1); ``SUMMED``.
 
-**The two-round segment** (:func:`segment`, larger buffers, float32/64 and int32/64):
-one segment of the owner-computes path in one compiled function, resumable at each wait:
+**The two-round segment** (:func:`segment`, larger buffers): one segment of the
+owner-computes path, resumable at each wait:
 
 1. copy every slice of the segment but this rank's own (slice j: the ring's chunk j)
    into this rank's row; the signature; arrive at the first round (release store);
 2. poll the first round (``WAIT_1`` while a rank is missing);
-3. compare the signatures (``MISMATCH``); reduce this rank's slice k from its own buffer
-   and the other rows in the ring's order for chunk k (k + 1, k + 2, ... cyclically, block
-   by block as :func:`reduce_slice`), divided for an average, into its row and its
-   buffer; arrive at the second round;
+3. compare the signatures (``MISMATCH``); reduce this rank's slice k in one pass, block by
+   block: its own buffer plus the other rows in the ring's order for chunk k (k + 1,
+   k + 2, ... cyclically), divided for an average, written to its row (where the others
+   copy it from) and its buffer; arrive at the second round;
 4. poll the second round (``WAIT_2``);
 5. copy every other slice j out of row j: ``DONE``.
 
@@ -35,25 +35,16 @@ one segment of the owner-computes path in one compiled function, resumable at ea
 ``args[5]`` set stops after each round (``AT_1``, ``AT_2``: a level-2 trace times the
 steps apart).
 
-**The owner's reduction** (:func:`reduce_slice`, larger buffers): the owner of slice k reduces it in one pass, block by block: its own input plus the
-other ranks' slices in the ring's order, divided for an average, written twice: into
-its window part (where the other ranks copy it from) and into its own buffer. numpy
-takes N + 1 passes for that (an add per input, the division, the copy), each over
-memory that another core wrote or will read.
-
-Both: the same float arithmetic in the same order as numpy's
-``np.add`` then ``np.divide`` (no fastmath, so no reassociation or contraction). Compiled on first use (once per number of ranks) and cached on disk, like
-:mod:`hpcdp.compress.kernels`.
+Both do numpy's additions and division in numpy's order (no fastmath, so no
+reassociation or contraction): the numpy path's bits, the ring's for a segment. Compiled
+on first use (per dtype) and cached on disk, like :mod:`hpcdp.compress.kernels`.
 """
 from __future__ import annotations
 
-__all__ = ["FUSED_DTYPES", "ROUND_DTYPES", "WAITING", "SUMMED", "MISMATCH", "ARRIVED", "START",
-           "FINISH", "ARRIVE", "WAIT_1", "AT_1", "WAIT_2", "AT_2", "DONE", "one_round", "segment",
-           "reduce_slice"]
+__all__ = ["ROUND_DTYPES", "WAITING", "SUMMED", "MISMATCH", "ARRIVED", "START", "FINISH", "ARRIVE",
+           "WAIT_1", "AT_1", "WAIT_2", "AT_2", "DONE", "one_round", "segment"]
 
-#: dtypes :func:`reduce_slice` takes (the others use numpy's passes)
-FUSED_DTYPES = ("float32", "float64")
-#: dtypes :func:`one_round` takes (fp16/bf16 averages divide before the sum: numpy's path)
+#: dtypes the kernels take (fp16/bf16 averages divide before the sum: numpy's path)
 ROUND_DTYPES = ("float32", "float64", "int32", "int64")
 
 #: what :func:`one_round` returns
@@ -67,7 +58,6 @@ START, FINISH, ARRIVE = 0, 1, 2
 #: elements per block (a block of each operand stays in L1/L2 across the passes)
 _BLOCK = 4096
 
-_kernel = None
 _round = None
 _segment = None
 
@@ -96,41 +86,9 @@ def segment(seg, table, seqs, slot, sig, divisor, args) -> int:
     return _segment(seg, table, seqs, slot, sig, divisor, args)
 
 
-def reduce_slice(win_out, own, peers: tuple, divisor: int) -> None:
-    """``win_out = own = (((own + peers[0]) + peers[1]) + ...) / divisor`` (no division
-    when ``divisor`` is 1): ``own`` is the input and the second output."""
-    global _kernel
-    if _kernel is None:
-        _kernel = _compile()
-    _kernel(win_out, own, peers, win_out.dtype.type(divisor), divisor != 1)
-
-
-def _compile():
-    import numba
-
-    opts = dict(nogil=True, cache=True, fastmath=False)
-    add, add_to, divide, copy = _elementwise(numba, opts)
-
-    @numba.njit(**opts)
-    def reduce_slice_kernel(win_out, own, peers, divisor, scale):
-        # block by block over slices (loops over whole slices vectorise; a loop over
-        # indices into all operands did not): the block's passes run in cache
-        n = win_out.shape[0]
-        for lo in range(0, n, _BLOCK):
-            hi = min(n, lo + _BLOCK)
-            out = win_out[lo:hi]
-            add(out, own[lo:hi], peers[0][lo:hi])
-            for j in range(1, len(peers)):
-                add_to(out, peers[j][lo:hi])
-            if scale:
-                divide(out, divisor)
-            copy(own[lo:hi], out)
-
-    return reduce_slice_kernel
-
-
 def _elementwise(numba, opts):
-    """The passes over whole slices both kernels are made of (inlined into them)."""
+    """The passes over whole slices the kernels are made of (inlined into them: loops over
+    whole slices vectorise, a loop over indices into all operands did not)."""
 
     @numba.njit(inline="always", **opts)
     def add(out, a, b):
