@@ -203,13 +203,21 @@ class NodeWindow:
             parts = self._views[key] = [p[off:off + nbytes].view(dtype) for p in self.parts]
         return parts
 
+    def spaced(self, dtype) -> bool:
+        """Whether the ranks' parts lie evenly spaced, a whole number of ``dtype`` apart
+        (then :meth:`table` serves)."""
+        return self.stride is not None and self.stride % dtype.itemsize == 0
+
     def table(self, dtype, n: int):
         """Every rank's current half as one flat array of ``dtype``, from rank 0's first
         element to the last rank's ``n``-th: rank ``r``'s elements start ``r *``
         :attr:`stride` bytes in (cached); ``None`` when the parts are not evenly spaced in
         memory (MPI allocated them apart: then only :meth:`views` serve)."""
-        if self.stride is None or self.stride % dtype.itemsize:
+        if not self.spaced(dtype):
             return None
+        if n * dtype.itemsize > self.capacity:
+            raise ValueError(f"a table of {n} elements of {dtype} does not fit a half of "
+                             f"{self.capacity} bytes")
         key = ("table", dtype.char, n, self.half)
         table = self._views.get(key)
         if table is None:

@@ -13,7 +13,6 @@ other ranks' inputs to read: :func:`one_round_fits`): one flag round.
    additions in the same order everywhere, so the same bits everywhere), divided by N
    once for an average.
 
-
 **Larger buffers**, in segments of at most ``capacity`` bytes, two rounds a segment:
 
 1. copy in, as above, but slice j on rank j (the ring's chunk j, which only rank j
@@ -87,7 +86,7 @@ def shm_allreduce(ctx, window, buf, average: bool, sig=None, small: int = SHM_SM
         yield from _one_round(ctx, window, buf, average, sig)
         return
     per = segment_elements(window, buf)
-    compiled = _table(window, buf) is not None  # (dtype and window as for one round)
+    compiled = _compiles(window, buf)
     for s, lo in enumerate(range(0, buf.n, per)):
         hi = min(buf.n, lo + per)
         if compiled:
@@ -133,12 +132,16 @@ def _one_round_fits(window, buf, small: int) -> bool:
     return nbytes <= window.capacity and one_round_fits(nbytes, window.size, small)
 
 
+def _compiles(window, buf) -> bool:
+    """Whether ``buf``'s calls run compiled: its dtype, and a window whose parts lie evenly
+    spaced (:meth:`~hpcdp.comm.nodewin.NodeWindow.table`)."""
+    return buf.dtype.name in ROUND_DTYPES and window.spaced(buf.data.dtype)
+
+
 def _table(window, buf):
-    """The window's current half as the compiled round's (ranks, n) table, or ``None``
-    where that round does not apply (dtype, or parts not evenly spaced)."""
-    if buf.dtype.name not in ROUND_DTYPES:
-        return None
-    return window.table(buf.data.dtype, buf.n)
+    """The window's current half as the compiled round's table of ``buf``'s length, or
+    ``None`` where ``buf``'s calls do not run compiled."""
+    return window.table(buf.data.dtype, buf.n) if _compiles(window, buf) else None
 
 
 def _compiled_round(window, buf, table, average: bool, sig, stage: int, polls: int) -> int:
@@ -237,7 +240,7 @@ def _compiled_segment(ctx, window, buf, lo: int, hi: int, average: bool, sig, st
     seg, table, first = buf.data[lo:hi], window.table(buf.data.dtype, hi - lo), window.seq
     fields = _NO_FIELDS if sig is None else window.sig_fields(sig[0])
     divisor = _divisor(buf.data.dtype, window.size if average else 1)
-    args, status = window.round_args, WAIT_1
+    args = window.round_args
     args[1], args[3], args[5] = polls, first, ctx.on_step is not None
     args[4] = 0
     ctx.at("shared-memory allreduce: copy in")

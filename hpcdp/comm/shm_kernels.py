@@ -116,12 +116,11 @@ def _elementwise(numba, opts):
 def _compile_round():
     import numba
 
-    from .atomics import load_acquire, store_release
+    from .atomics import store_release
 
     opts = dict(nogil=True, cache=True, fastmath=False)
     add, add_to, divide, copy = _elementwise(numba, opts)
-
-    everyone_at = _everyone_at(numba, opts, load_acquire)
+    arrived = _arrival(numba, opts)
 
     @numba.njit(**opts)
     def one_round_kernel(out, table, seqs, slot, sig, divisor, args):
@@ -134,12 +133,7 @@ def _compile_round():
             for f in range(fields):
                 slot[rank * fields + f] = sig[f]
             store_release(seqs, rank, seq)
-        arrived = False
-        for _ in range(polls):
-            if everyone_at(seqs, size, seq):
-                arrived = True
-                break
-        if not arrived:
+        if not arrived(seqs, size, seq, polls):
             return WAITING
         if stage == ARRIVE:
             return ARRIVED
@@ -157,7 +151,11 @@ def _compile_round():
     return one_round_kernel
 
 
-def _everyone_at(numba, opts, load_acquire):
+def _arrival(numba, opts):
+    """``arrived(seqs, size, seq, polls)``: whether every rank's number reaches ``seq``
+    within ``polls`` polls of acquire loads (inlined into the kernels)."""
+    from .atomics import load_acquire
+
     @numba.njit(inline="always", **opts)
     def everyone_at(seqs, size, seq):
         for r in range(size):
@@ -165,24 +163,24 @@ def _everyone_at(numba, opts, load_acquire):
                 return False
         return True
 
-    return everyone_at
-
-
-def _compile_segment():
-    import numba
-
-    from .atomics import store_release, load_acquire
-
-    opts = dict(nogil=True, cache=True, fastmath=False)
-    add, add_to, divide, copy = _elementwise(numba, opts)
-    everyone_at = _everyone_at(numba, opts, load_acquire)
-
     @numba.njit(inline="always", **opts)
     def arrived(seqs, size, seq, polls):
         for _ in range(polls):
             if everyone_at(seqs, size, seq):
                 return True
         return False
+
+    return arrived
+
+
+def _compile_segment():
+    import numba
+
+    from .atomics import store_release
+
+    opts = dict(nogil=True, cache=True, fastmath=False)
+    add, add_to, divide, copy = _elementwise(numba, opts)
+    arrived = _arrival(numba, opts)
 
     @numba.njit(**opts)
     def segment_kernel(seg, table, seqs, slot, sig, divisor, args):
