@@ -58,8 +58,7 @@ START, FINISH, ARRIVE = 0, 1, 2
 #: elements per block (a block of each operand stays in L1/L2 across the passes)
 _BLOCK = 4096
 
-_round = None
-_segment = None
+_kernels = None  # (one_round, segment), made on first use
 
 
 def one_round(out, table, seqs, slot, sig, divisor, args) -> int:
@@ -69,10 +68,10 @@ def one_round(out, table, seqs, slot, sig, divisor, args) -> int:
     parity), ``sig`` this rank's (empty: unchecked); ``divisor``: one element of ``out``'s
     dtype; ``args``: int64 ``[rank, polls, stride (bytes), seq, stage]``. (Arrays only: a
     call's cost grows with its arguments, scalars the most.)"""
-    global _round
-    if _round is None:
-        _round = _compile_round()
-    return _round(out, table, seqs, slot, sig, divisor, args)
+    global _kernels
+    if _kernels is None:
+        _kernels = _compile()
+    return _kernels[0](out, table, seqs, slot, sig, divisor, args)
 
 
 def segment(seg, table, seqs, slot, sig, divisor, args) -> int:
@@ -80,10 +79,10 @@ def segment(seg, table, seqs, slot, sig, divisor, args) -> int:
     ``table`` (the window's current half, :meth:`~hpcdp.comm.nodewin.NodeWindow.table`);
     ``seqs``, ``slot``, ``sig``, ``divisor`` as for :func:`one_round`; ``args``: int64
     ``[rank, polls, stride (bytes), seq (the round before the first), start, stop]``."""
-    global _segment
-    if _segment is None:
-        _segment = _compile_segment()
-    return _segment(seg, table, seqs, slot, sig, divisor, args)
+    global _kernels
+    if _kernels is None:
+        _kernels = _compile()
+    return _kernels[1](seg, table, seqs, slot, sig, divisor, args)
 
 
 def _elementwise(numba, opts):
@@ -113,7 +112,8 @@ def _elementwise(numba, opts):
     return add, add_to, divide, copy
 
 
-def _compile_round():
+def _compile():
+    """Both kernels (each compiled at its first call, per dtype)."""
     import numba
 
     from .atomics import store_release
@@ -147,40 +147,6 @@ def _compile_round():
         if divisor[0] != 1:
             divide(out, divisor[0])
         return SUMMED
-
-    return one_round_kernel
-
-
-def _arrival(numba, opts):
-    """``arrived(seqs, size, seq, polls)``: whether every rank's number reaches ``seq``
-    within ``polls`` polls of acquire loads (inlined into the kernels)."""
-    from .atomics import load_acquire
-
-    @numba.njit(inline="always", **opts)
-    def everyone_at(seqs, size, seq):
-        for r in range(size):
-            if load_acquire(seqs, r) < seq:
-                return False
-        return True
-
-    @numba.njit(inline="always", **opts)
-    def arrived(seqs, size, seq, polls):
-        for _ in range(polls):
-            if everyone_at(seqs, size, seq):
-                return True
-        return False
-
-    return arrived
-
-
-def _compile_segment():
-    import numba
-
-    from .atomics import store_release
-
-    opts = dict(nogil=True, cache=True, fastmath=False)
-    add, add_to, divide, copy = _elementwise(numba, opts)
-    arrived = _arrival(numba, opts)
 
     @numba.njit(**opts)
     def segment_kernel(seg, table, seqs, slot, sig, divisor, args):
@@ -235,4 +201,26 @@ def _compile_segment():
                 copy(seg[p:q], table[j * stride + p:j * stride + q])
         return DONE
 
-    return segment_kernel
+    return one_round_kernel, segment_kernel
+
+
+def _arrival(numba, opts):
+    """``arrived(seqs, size, seq, polls)``: whether every rank's number reaches ``seq``
+    within ``polls`` polls of acquire loads (inlined into the kernels)."""
+    from .atomics import load_acquire
+
+    @numba.njit(inline="always", **opts)
+    def everyone_at(seqs, size, seq):
+        for r in range(size):
+            if load_acquire(seqs, r) < seq:
+                return False
+        return True
+
+    @numba.njit(inline="always", **opts)
+    def arrived(seqs, size, seq, polls):
+        for _ in range(polls):
+            if everyone_at(seqs, size, seq):
+                return True
+        return False
+
+    return arrived

@@ -163,19 +163,21 @@ def test_mixed_blocking_and_async_calls_keep_their_order(world):
         assert np.all(x == size * (size + 1) / 2), f"rank {rank}: x{i} = {x[:3]}"
 
 
-def test_a_mismatch_in_the_flag_round_names_every_rank(world):
+@pytest.mark.parametrize("n", [100, 200_000], ids=["one-round", "segment"])
+def test_a_mismatch_in_the_flag_round_names_every_rank(world, n):
     rank, size = world.Get_rank(), world.Get_size()
     if size == 1:
         pytest.skip("needs two ranks")
-    x = np.ones(100 + (rank == size - 1), dtype=np.float32)
+    x = np.ones(n + (rank == size - 1), dtype=np.float32)
     with pytest.raises(hpcdp.MismatchError) as err:
         hpcdp.allreduce(x, algo="shm", name="grad")
     text = str(err.value)
     assert f"rank {rank}:" in text and "'grad'" in text, f"rank {rank}: {text}"
-    assert "101 elements" in text and "100 elements" in text, f"rank {rank}: {text}"
-    y = np.ones(5, dtype=np.float32)  # the window is still in step afterwards
-    hpcdp.allreduce(y, algo="shm")
-    assert np.all(y == size), f"rank {rank}: {y}"
+    assert f"{n + 1} elements" in text and f"{n} elements" in text, f"rank {rank}: {text}"
+    for m in (5, 300_000):  # the window is still in step afterwards
+        y = np.ones(m, dtype=np.float32)
+        hpcdp.allreduce(y, algo="shm")
+        assert np.all(y == size), f"rank {rank}: {y[:3]}"
 
 
 def test_ranks_that_pick_different_algorithms_get_a_mismatch_error(world):
@@ -275,15 +277,3 @@ def test_traced_segments_report_three_steps_each(world, rt, monkeypatch, path):
         window.free()
         node.Free()
 
-
-def test_a_mismatch_in_a_segments_first_round_names_every_rank(world):
-    rank, size = world.Get_rank(), world.Get_size()
-    if size == 1:
-        pytest.skip("needs two ranks")
-    x = np.ones(200_000 + (rank == size - 1), dtype=np.float32)
-    with pytest.raises(hpcdp.MismatchError) as err:
-        hpcdp.allreduce(x, algo="shm", name="grad")
-    assert "200001 elements" in str(err.value) and "200000 elements" in str(err.value), f"rank {rank}"
-    y = np.ones(300_000, dtype=np.float32)  # the window is still in step afterwards
-    hpcdp.allreduce(y, algo="shm")
-    assert np.all(y == size), f"rank {rank}: {y[:3]}"
