@@ -113,8 +113,9 @@ class NodeWindow:
         self.stride = None  # bytes from one rank's part to the next, when that is constant
         self.round_args = None
         self._views = {}
-        self._packed = {}  # signature -> (this rank's bytes, every rank's bytes when all agree)
-        self._fields = {}  # signature -> its fields as an int64 array
+        # signature -> (this rank's bytes, every rank's bytes when all agree, its fields as
+        # an int64 array)
+        self._packed = {}
 
     # -- flag rounds ---------------------------------------------------------------
     def post(self, sig=None, where: dict | None = None) -> Round | None:
@@ -145,13 +146,8 @@ class NodeWindow:
         return [_SIG.unpack_from(slot, 8 * SIG_FIELDS * r) for r in range(self.size)]
 
     def sig_fields(self, sig) -> np.ndarray:
-        """``sig`` as the int64 array the compiled round writes into its slot (cached)."""
-        fields = self._fields.get(sig)
-        if fields is None:
-            if len(self._fields) >= 256:
-                self._fields.clear()
-            fields = self._fields[sig] = np.array(sig, dtype=np.int64)
-        return fields
+        """``sig`` as the int64 array the compiled calls write into their slot (cached)."""
+        return self._pack(sig)[2]
 
     def _pack(self, sig) -> tuple:
         packed = self._packed.get(sig)
@@ -159,7 +155,7 @@ class NodeWindow:
             if len(self._packed) >= 256:
                 self._packed.clear()
             mine = _SIG.pack(*sig)
-            packed = self._packed[sig] = (mine, mine * self.size)
+            packed = self._packed[sig] = (mine, mine * self.size, np.array(sig, dtype=np.int64))
         return packed
 
     def poke(self) -> None:

@@ -120,27 +120,23 @@ def _compile():
 
     opts = dict(nogil=True, cache=True, fastmath=False)
     add, add_to, divide, copy = _elementwise(numba, opts)
-    arrived = _arrival(numba, opts)
+    arrive, arrived, agree = _flag_round(numba, opts)
 
     @numba.njit(**opts)
     def one_round_kernel(out, table, seqs, slot, sig, divisor, args):
         # rows are contiguous slices of one span (loops over whole slices vectorise; a
         # strided 2-D view did not)
         rank, polls, stride, seq, stage = args[0], args[1], args[2] // out.itemsize, args[3], args[4]
-        size, n, fields = len(seqs), out.shape[0], sig.shape[0]
+        size, n = len(seqs), out.shape[0]
         if stage != FINISH:
             copy(table[rank * stride:rank * stride + n], out)
-            for f in range(fields):
-                slot[rank * fields + f] = sig[f]
-            store_release(seqs, rank, seq)
+            arrive(seqs, slot, sig, rank, seq)
         if not arrived(seqs, size, seq, polls):
             return WAITING
         if stage == ARRIVE:
             return ARRIVED
-        for r in range(size):
-            for f in range(fields):
-                if slot[r * fields + f] != sig[f]:
-                    return MISMATCH
+        if not agree(slot, sig, size):
+            return MISMATCH
         add(out, table[:n], table[stride:stride + n])
         for r in range(2, size):
             add_to(out, table[r * stride:r * stride + n])
@@ -152,7 +148,7 @@ def _compile():
     def segment_kernel(seg, table, seqs, slot, sig, divisor, args):
         rank, polls, stride, seq = args[0], args[1], args[2] // seg.itemsize, args[3]
         stage, stop = args[4], args[5]
-        size, m, fields = len(seqs), seg.shape[0], sig.shape[0]
+        size, m = len(seqs), seg.shape[0]
         base, extra = m // size, m % size  # the ring's chunk bounds (schedule.chunk_bounds)
         a = rank * base + min(rank, extra)
         b = a + base + (1 if rank < extra else 0)
@@ -160,9 +156,7 @@ def _compile():
         if stage == 0:
             copy(mine[:a], seg[:a])
             copy(mine[b:], seg[b:])
-            for f in range(fields):
-                slot[rank * fields + f] = sig[f]
-            store_release(seqs, rank, seq + 1)
+            arrive(seqs, slot, sig, rank, seq + 1)
             stage = 1
         if stage == 1:
             if not arrived(seqs, size, seq + 1, polls):
@@ -171,10 +165,8 @@ def _compile():
             if stop:
                 return AT_1
         if stage == 2:
-            for r in range(size):
-                for f in range(fields):
-                    if slot[r * fields + f] != sig[f]:
-                        return MISMATCH
+            if not agree(slot, sig, size):
+                return MISMATCH
             for lo in range(a, b, _BLOCK):  # (block by block: the passes run in cache)
                 hi = min(b, lo + _BLOCK)
                 out = mine[lo:hi]
@@ -186,7 +178,7 @@ def _compile():
                 if divisor[0] != 1:
                     divide(out, divisor[0])
                 copy(seg[lo:hi], out)
-            store_release(seqs, rank, seq + 2)
+            store_release(seqs, rank, seq + 2)  # (the second round carries no signature)
             stage = 3
         if stage == 3:
             if not arrived(seqs, size, seq + 2, polls):
@@ -204,10 +196,24 @@ def _compile():
     return one_round_kernel, segment_kernel
 
 
-def _arrival(numba, opts):
-    """``arrived(seqs, size, seq, polls)``: whether every rank's number reaches ``seq``
-    within ``polls`` polls of acquire loads (inlined into the kernels)."""
-    from .atomics import load_acquire
+def _flag_round(numba, opts):
+    """The flag round's pieces (inlined into the kernels):
+
+    * ``arrive(seqs, slot, sig, rank, seq)``: this rank's signature fields into its part of
+      ``slot``, then its number raised to ``seq`` (a release store: data and signature
+      before the number);
+    * ``arrived(seqs, size, seq, polls)``: whether every rank's number reaches ``seq``
+      within ``polls`` polls of acquire loads;
+    * ``agree(slot, sig, size)``: whether every rank posted this rank's signature (an
+      empty one: unchecked)."""
+    from .atomics import load_acquire, store_release
+
+    @numba.njit(inline="always", **opts)
+    def arrive(seqs, slot, sig, rank, seq):
+        fields = sig.shape[0]
+        for f in range(fields):
+            slot[rank * fields + f] = sig[f]
+        store_release(seqs, rank, seq)
 
     @numba.njit(inline="always", **opts)
     def everyone_at(seqs, size, seq):
@@ -223,4 +229,13 @@ def _arrival(numba, opts):
                 return True
         return False
 
-    return arrived
+    @numba.njit(inline="always", **opts)
+    def agree(slot, sig, size):
+        fields = sig.shape[0]
+        for r in range(size):
+            for f in range(fields):
+                if slot[r * fields + f] != sig[f]:
+                    return False
+        return True
+
+    return arrive, arrived, agree
