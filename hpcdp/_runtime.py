@@ -57,15 +57,16 @@ class _Runtime:
         self.local_rank = self.local.Get_rank()
         self.local_size = self.local.Get_size()
         across = os.environ.get("HPCDP_ACROSS") or "auto"
-        everyone = self.comm.allgather((self.hostname, across))
-        self.hostnames = [host for host, _ in everyone]
+        shm = tuple(os.environ.get(name, "") for name in _SHM_KNOBS)
+        everyone = self.comm.allgather((self.hostname, across, shm))
+        self.hostnames = [host for host, _, _ in everyone]
         self.nodes = _nodes(self.hostnames)
         # two_level's slices: the ranks of the smallest node (see cross())
         self.slices = min(len(ranks) for ranks in self.nodes)
-        self.across = _agreed_across(self.rank, [a for _, a in everyone])
+        self.across = _agreed_across(self.rank, [a for _, a, _ in everyone])
         self.algo = os.environ.get("HPCDP_ALGO") or "auto"
-        from .comm.shm import SHM_CAPACITY
-        self.shm_bytes = int(os.environ.get("HPCDP_SHM_BYTES", SHM_CAPACITY))  # a segment
+        # the node window's halves, and the shared-memory allreduce's segment (hpcdp.comm.shm)
+        self.shm_bytes, self.shm_segment = _agreed_shm(self.rank, [s for _, _, s in everyone])
         self.calibration = _shared_calibration(self.comm, self.rank)
         self._auto = {}
         self._cross = None
@@ -121,7 +122,7 @@ class _Runtime:
             free = shm_free_bytes()
             fits = free is None or free >= need
             if self.comm.allreduce(int(fits), op=self.MPI.MIN):
-                w.attach_data(capacity)
+                w.attach_data(capacity, self.shm_segment)
             else:
                 self._shm_refused = True
                 if self.local_rank == 0:
@@ -166,11 +167,12 @@ class _Runtime:
         algo = self._auto.get(nbytes)
         if algo is None:
             from .comm.costmodel import choose
-            # shm only up to one segment: beyond, the ring's pipeline wins here at 16 MiB and
-            # up (np = 2 and 4), which the model sees only with a calibration's profiles
+            # shm is a candidate up to the window's half (HPCDP_SHM_BYTES), the ring above
             available = ("ring", "two_level") if len(self.nodes) > 1 else \
                 ("ring", "shm") if nbytes <= self.shm_bytes else ("ring",)
-            algo = self._auto[nbytes] = choose(nbytes, self.topology(), self.calibration, available)
+            algo = self._auto[nbytes] = choose(nbytes, self.topology(), self.calibration, available,
+                                               shm_segment=self.shm_segment,
+                                               window=self.shm_bytes)
         return algo
 
     def across_kind(self, nbytes: int) -> str:
@@ -275,6 +277,34 @@ def _agreed_across(rank: int, values: list) -> str:
         raise ValueError(f"rank {rank}: HPCDP_ACROSS differs between ranks (rank 0: {values[0]!r}, "
                          f"rank {other}: {values[other]!r}): set it alike for the job")
     return values[0]
+
+
+#: the shared-memory knobs, in the order :func:`_agreed_shm` takes them
+_SHM_KNOBS = ("HPCDP_SHM_BYTES", "HPCDP_SHM_SEGMENT")
+
+
+def _agreed_shm(rank: int, values: list) -> tuple:
+    """``(HPCDP_SHM_BYTES, HPCDP_SHM_SEGMENT)`` in bytes (unset: :data:`SHM_CAPACITY
+    <hpcdp.comm.shm.SHM_CAPACITY>`, :data:`SHM_SEGMENT <hpcdp.comm.shm.SHM_SEGMENT>`) from
+    every rank's ``(bytes, segment)`` strings: the same on every rank (ranks with different
+    segments would wait in different flag rounds and hang), an error on every rank
+    otherwise; the segment at most the window's half."""
+    from .comm.shm import SHM_CAPACITY, SHM_SEGMENT
+    for i, name in enumerate(_SHM_KNOBS):
+        other = next((r for r, v in enumerate(values) if v[i] != values[0][i]), None)
+        if other is not None:
+            raise ValueError(f"rank {rank}: {name} differs between ranks (rank 0: {values[0][i]!r}, "
+                             f"rank {other}: {values[other][i]!r}): set it alike for the job")
+    out = []
+    for name, text, default in zip(_SHM_KNOBS, values[0], (SHM_CAPACITY, SHM_SEGMENT)):
+        try:
+            value = int(text) if text else default
+        except ValueError:
+            value = 0
+        if value < 64:
+            raise ValueError(f"rank {rank}: {name} must be a number of bytes >= 64, not {text!r}")
+        out.append(value)
+    return out[0], min(out[1], out[0])
 
 
 def _shared_calibration(comm, rank: int):
@@ -477,6 +507,8 @@ def info() -> dict:
         "nodes": len(rt.nodes),
         "ranks_per_node": [len(ranks) for ranks in rt.nodes],
         "algo": rt.algo,
+        "shm_bytes": rt.shm_bytes,
+        "shm_segment": rt.shm_segment,
         "auto_picks": {label: rt.auto_algo(nbytes) for label, nbytes in
                        (("64KiB", 64 << 10), ("1MiB", 1 << 20), ("25MiB", 25 << 20))},
         "across": rt.across,

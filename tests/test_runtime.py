@@ -191,6 +191,22 @@ def test_hpcdp_across_must_be_known_and_the_same_on_every_rank():
         _agreed_across(0, ["ring", "doubling"])
 
 
+def test_shm_knobs_must_be_numbers_and_the_same_on_every_rank():
+    """``HPCDP_SHM_BYTES`` and ``HPCDP_SHM_SEGMENT`` as every rank set them (ranks with
+    different segments would wait in different flag rounds: a hang)."""
+    from hpcdp._runtime import _agreed_shm
+    from hpcdp.comm.shm import SHM_CAPACITY, SHM_SEGMENT
+    assert _agreed_shm(0, [("", "")] * 2) == (SHM_CAPACITY, SHM_SEGMENT)
+    assert _agreed_shm(1, [("1048576", "262144")] * 3) == (1 << 20, 256 << 10)
+    assert _agreed_shm(0, [("65536", "")] * 2) == (64 << 10, 64 << 10)  # at most a half
+    with pytest.raises(ValueError, match=r"rank 1: HPCDP_SHM_SEGMENT differs between ranks "
+                                         r"\(rank 0: '', rank 2: '524288'\)"):
+        _agreed_shm(1, [("", ""), ("", ""), ("", "524288")])
+    with pytest.raises(ValueError, match=r"rank 0: HPCDP_SHM_BYTES must be a number of bytes "
+                                         r">= 64, not '4M'"):
+        _agreed_shm(0, [("4M", "")] * 2)
+
+
 def test_info_names_the_stage_across_nodes_on_pretend_nodes():
     p = run_mpi(2, ["-m", "hpcdp.info"], timeout=60,
                 env={"HPCDP_FAKE_NODES": "1,1", "HPCDP_ACROSS": "halving"})

@@ -97,7 +97,7 @@ def _record(algo: str, nbytes: int, topo, cal) -> list[dict]:
     t = costmodel.predict(rec.get("choice", algo), nbytes, topo, cal)
     if rec.get("choice", algo) == "two_level" and topo.nodes > 1:  # its stage across nodes (first segment)
         lanes = min(topo.ranks_per_node)
-        rec["across"] = costmodel.choose_across(min(nbytes, costmodel.SHM_SEGMENT) / lanes,
+        rec["across"] = costmodel.choose_across(min(nbytes, costmodel.SHM_CAPACITY) / lanes,
                                                 topo.nodes, lanes, cal)
     p = topo.size
     rec.update(time_s=t, busbw=(2 * (p - 1) / p if p > 1 else 1.0) * nbytes / t / 1e9,

@@ -28,8 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .shm import SHM_CAPACITY as SHM_SEGMENT
-from .shm import SHM_SMALL, one_round_fits
+from .shm import SHM_CAPACITY, SHM_SEGMENT, SHM_SMALL, one_round_fits
 
 ENV_VAR = "HPCDP_CALIBRATION"
 # one message of MPI's own C implementation inside a node (MPICH shared memory, a few us)
@@ -160,8 +159,8 @@ class Calibration:
 # 0.6-1 us, alpha_call (an empty call) 5.5-6.5 us, alpha_ring_step ~2 us, alpha_check ~3 us,
 # a native call on one rank 0.5 us, beta_intra 15-17 GB/s, beta_mem and gamma 40-44 GB/s over
 # a 4 MiB segment (in cache). Without profiles the model takes in-cache speeds at every size;
-# it prefers shm on one node at two ranks below 16 MiB and at four at every size (the runtime
-# offers shm only up to one segment, see _Runtime.auto_algo), and two_level across nodes.
+# it prefers shm on one node at every size (the runtime offers shm up to the window's half,
+# see _Runtime.auto_algo), and two_level across nodes.
 # Measure your machine (hpcdp-bench calibrate): that also writes the profiles.
 DEFAULTS = Calibration(alpha_step=2.5e-6, alpha_inter=50e-6, alpha_sync=0.8e-6, alpha_call=6e-6,
                        beta_intra=16e9, beta_inter=125e6, beta_mem=40e9, gamma=40e9,
@@ -353,7 +352,7 @@ def _ring(n: int, topo: Topology, cal: Calibration) -> float:
 def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
          small: int = SHM_SMALL) -> float:
     """hpcdp's shared-memory allreduce on one node of L ranks. Per segment of ``segment``
-    bytes (segments run one after the other):
+    bytes (segments run one after the other; the last one may be shorter):
     1. copy in: every rank copies its segment but its own slice (n (L-1)/L) into its window
        part, which the others read during the call before;
     2. one flag round (alpha_sync);
@@ -361,10 +360,12 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
        read from the others' window parts), written to its window part and to its buffer;
     4. one flag round;
     5. copy out: every rank copies the other slices back (n (L-1)/L, from the others' parts).
-    Copies are timed at the whole buffer's size, where its cache residency is decided, and
-    scaled; additions at the slice's. Reads of what another rank wrote and writes of what
-    another rank read take the shared profiles (:meth:`Calibration.t_shared_copy`,
-    :meth:`~Calibration.t_shared_add`, :meth:`~Calibration.t_shared_write`).
+    Each segment is timed at its own size: what the ranks exchange through the window is one
+    segment at a time, and that decides whether another rank's lines are still in cache.
+    Reads of what another rank wrote and writes of what another rank read take the shared
+    profiles (:meth:`Calibration.t_shared_copy`, :meth:`~Calibration.t_shared_add`,
+    :meth:`~Calibration.t_shared_write`). Not modelled: a buffer too large for the caches
+    streams from memory (here the 16 MiB call is 1.3x sixteen 1 MiB calls).
     Where one round fits (:func:`hpcdp.comm.shm.one_round_fits`: up to ``small`` bytes and a
     bounded read of the others' inputs), the one-round variant is taken when it is faster:
     copy in, one flag round, every rank reduces the whole buffer itself (a copy and L - 1
@@ -372,10 +373,12 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
     if ranks == 1 or n == 0:
         return cal.alpha_call
     L = ranks
-    segments = math.ceil(n / segment)
-    big = (segments * 2 * cal.alpha_sync
-           + (L - 1) / L * (cal.t_shared_write(n) + cal.t_shared_copy(n))
-           + cal.t_shared_write(n / L) + (L - 1) * cal.t_shared_add(n / L))
+
+    def two_rounds(m):
+        return (2 * cal.alpha_sync + (L - 1) / L * (cal.t_shared_write(m) + cal.t_shared_copy(m))
+                + cal.t_shared_write(m / L) + (L - 1) * cal.t_shared_add(m / L))
+    full, rest = divmod(n, segment)
+    big = full * two_rounds(segment) + (two_rounds(rest) if rest else 0.0)
     if one_round_fits(n, L, small):
         one_round = (cal.alpha_sync + cal.t_shared_write(n) + cal.t_shared_copy(n)
                      + (L - 1) * cal.t_shared_add(n))
@@ -383,7 +386,7 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
     return cal.alpha_call + big
 
 
-def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGMENT,
+def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_CAPACITY,
                small: int = SHM_SMALL, across: str | None = None) -> float:
     """Shared memory inside the nodes, a stage across them (N nodes, Lmin = fewest ranks on a
     node; local ranks >= Lmin only contribute their data), per segment of ``segment`` bytes
@@ -402,7 +405,7 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_SEGM
     One node: :func:`_shm`."""
     N = topo.nodes
     if N == 1:
-        return _shm(n, topo.size, cal, segment, small)
+        return _shm(n, topo.size, cal, min(segment, SHM_SEGMENT), small)
     if n == 0:
         return cal.alpha_call
     lmin, lmax = min(topo.ranks_per_node), max(topo.ranks_per_node)
@@ -502,11 +505,11 @@ def _native_rsag(n: int, topo: Topology, cal: Calibration) -> float:
 
 
 def predict(algo: str, nbytes: int, topo: Topology, cal: Calibration = DEFAULTS, *,
-            segment: int = SHM_SEGMENT, small: int = SHM_SMALL, check: bool = False,
-            across: str | None = None) -> float:
+            shm_segment: int = SHM_SEGMENT, window: int = SHM_CAPACITY, small: int = SHM_SMALL,
+            check: bool = False, across: str | None = None) -> float:
     """Predicted seconds of one allreduce of ``nbytes`` with ``algo`` (one of :data:`ALGOS`;
-    hpcdp's own include alpha_call). ``segment``: the node window's segment (shm and
-    two_level); ``small``: the size up to which shm's one-round variant may be taken;
+    hpcdp's own include alpha_call). ``shm_segment``: shm's segment (``HPCDP_SHM_SEGMENT``);
+    ``window``: the node window's half (``HPCDP_SHM_BYTES``), two_level's segment; ``small``: the size up to which shm's one-round variant may be taken;
     ``check``: hpcdp's call makes its argument check (the default of ``hpcdp.allreduce``;
     DDP's buckets skip it), which adds alpha_check to the ring and two_level (shm carries the
     check in its own flag round); ``across``: two_level's stage across nodes (one of
@@ -514,17 +517,17 @@ def predict(algo: str, nbytes: int, topo: Topology, cal: Calibration = DEFAULTS,
     if nbytes < 0:
         raise ValueError(f"nbytes must be >= 0, not {nbytes}")
     if check and algo in ("ring", "two_level") and topo.size > 1:
-        return cal.alpha_check + predict(algo, nbytes, topo, cal, segment=segment, small=small,
-                                         across=across)
+        return cal.alpha_check + predict(algo, nbytes, topo, cal, shm_segment=shm_segment,
+                                         window=window, small=small, across=across)
     if algo == "ring":
         return _ring(nbytes, topo, cal)
     if algo == "shm":
         if topo.nodes != 1:
             raise ValueError(f"algo 'shm' needs every rank on one node, this topology has "
                              f"{topo.nodes} nodes (use 'two_level' or 'ring')")
-        return _shm(nbytes, topo.size, cal, segment, small)
+        return _shm(nbytes, topo.size, cal, min(shm_segment, window), small)
     if algo == "two_level":
-        return _two_level(nbytes, topo, cal, segment, small, across)
+        return _two_level(nbytes, topo, cal, window, small, across)
     if algo == "native_rd":
         return _native_rd(nbytes, topo, cal)
     if algo == "native_rsag":
@@ -544,13 +547,14 @@ def applies(algo: str, topo: Topology) -> bool:
 
 
 def choose(nbytes: int, topo: Topology, cal: Calibration = DEFAULTS,
-           available=HPCDP_ALGOS) -> str:
+           available=HPCDP_ALGOS, **sizes) -> str:
     """The algorithm of ``available`` (that applies to ``topo``) with the lowest predicted
-    time; ties go to the earlier one in ``available``."""
+    time; ties go to the earlier one in ``available``. ``sizes``: :func:`predict`'s
+    ``shm_segment`` and ``window``."""
     cands = [a for a in available if applies(a, topo)]
     if not cands:
         raise ValueError(f"none of {list(available)} applies to {topo.nodes} node(s)")
-    return min(cands, key=lambda a: (predict(a, nbytes, topo, cal), cands.index(a)))
+    return min(cands, key=lambda a: (predict(a, nbytes, topo, cal, **sizes), cands.index(a)))
 
 
 def link_bytes(algo: str, nbytes: int, topo: Topology, across: str = "ring") -> float:

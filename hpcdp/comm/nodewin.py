@@ -109,7 +109,7 @@ class NodeWindow:
         # polls between yields of the core: 1024 where every rank has a core, else every
         # poll (a spinning rank would hold the core of the rank it waits for)
         self.spin_mask = 0x3FF if self.size <= (os.cpu_count() or 1) else 0
-        self.win, self.parts, self.capacity, self.half = None, None, 0, 0
+        self.win, self.parts, self.capacity, self.segment, self.half = None, None, 0, 0, 0
         self.stride = None  # bytes from one rank's part to the next, when that is constant
         self.round_args = None
         self._views = {}
@@ -169,9 +169,10 @@ class NodeWindow:
         return late if self.world_ranks is None else [self.world_ranks[r] for r in late]
 
     # -- data ----------------------------------------------------------------------
-    def attach_data(self, capacity: int) -> None:
+    def attach_data(self, capacity: int, segment: int | None = None) -> None:
         """Allocate the data window: two halves of ``capacity`` bytes per rank (collective
-        over the node, once)."""
+        over the node, once). ``segment``: bytes of a segment of the shared-memory allreduce
+        (:mod:`hpcdp.comm.shm`), at most ``capacity`` (default: ``capacity``)."""
         self.win = self.MPI.Win.Allocate_shared(2 * capacity, 1, comm=self.node)
         self.win.Lock_all()
         self.parts = []
@@ -179,6 +180,7 @@ class NodeWindow:
             mem, _ = self.win.Shared_query(r)
             self.parts.append(np.frombuffer(mem, dtype=np.uint8, count=2 * capacity))
         self.capacity = capacity
+        self.segment = capacity if segment is None else min(segment, capacity)
         addresses = [p.ctypes.data for p in self.parts]
         stride = addresses[1] - addresses[0] if self.size > 1 else 0
         if stride > 0 and all(a == addresses[0] + r * stride for r, a in enumerate(addresses)):

@@ -13,7 +13,8 @@ other ranks' inputs to read: :func:`one_round_fits`): one flag round.
    additions in the same order everywhere, so the same bits everywhere), divided by N
    once for an average.
 
-**Larger buffers**, in segments of at most ``capacity`` bytes, two rounds a segment:
+**Larger buffers**, in segments of ``window.segment`` bytes (``HPCDP_SHM_SEGMENT``,
+:data:`SHM_SEGMENT`; at most the window's ``capacity``), two rounds a segment:
 
 1. copy in, as above, but slice j on rank j (the ring's chunk j, which only rank j
    reduces): it stays in rank j's buffer;
@@ -54,11 +55,17 @@ from .shm_kernels import (ARRIVE, AT_1, DONE, FINISH, MISMATCH, ROUND_DTYPES, ST
 from .waiting import complete, drive
 
 __all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "copy_out", "reduce_in_ring_order",
-           "reduce_own_slice", "segment_elements", "one_round_fits", "SHM_CAPACITY", "SHM_SMALL",
-           "SHM_ROUND_READS", "HALF_DTYPES"]
+           "reduce_own_slice", "segment_elements", "one_round_fits", "SHM_CAPACITY", "SHM_SEGMENT",
+           "SHM_SMALL", "SHM_ROUND_READS", "HALF_DTYPES"]
 
-#: bytes of a segment (each rank's window part holds two)
+#: bytes of each half of a rank's window part (``HPCDP_SHM_BYTES``): the largest segment,
+#: and two_level's segment
 SHM_CAPACITY = 4 << 20
+#: bytes of a segment of this algorithm (``HPCDP_SHM_SEGMENT``): a segment's copy in, flag
+#: rounds, reduction and copy out run while its data is still in cache. Here (np = 2 and 4,
+#: 4 MiB buffers) 512 KiB to 2 MiB segments took the same time and 4 MiB ones 1.4-1.9x
+#: longer; 256 KiB ones paid their per-segment cost (1.5x)
+SHM_SEGMENT = 1 << 20
 #: buffers up to this many bytes take the one-round path (np = 2-4 here, 64 KiB to 1 MiB
 #: buffers: one round was 15-30 % faster than two at 128 KiB, even at 256, slower at 1 MiB) ...
 SHM_SMALL = 128 << 10
@@ -85,7 +92,7 @@ def shm_allreduce(ctx, window, buf, average: bool, sig=None, small: int = SHM_SM
     if _one_round_fits(window, buf, small):
         yield from _one_round(ctx, window, buf, average, sig)
         return
-    per = segment_elements(window, buf)
+    per = segment_elements(window, buf, window.segment)
     compiled = _compiles(window, buf)
     for s, lo in enumerate(range(0, buf.n, per)):
         hi = min(buf.n, lo + per)
@@ -177,9 +184,10 @@ def _divisor(dtype, divisor: int) -> np.ndarray:
     return array
 
 
-def segment_elements(window, buf) -> int:
-    """Elements of ``buf`` per segment: what one half of the window holds."""
-    return max(1, window.capacity // buf.data.dtype.itemsize)
+def segment_elements(window, buf, nbytes: int) -> int:
+    """Elements of ``buf`` per segment of ``nbytes``, at most what one half of the window
+    holds."""
+    return max(1, min(nbytes, window.capacity) // buf.data.dtype.itemsize)
 
 
 def copy_in(window, buf, lo: int, hi: int, average: bool, divisor: int, skip=None):

@@ -67,10 +67,28 @@ def test_shm_small_buffers_take_the_cheaper_one_round_variant():
                      + (L - 1) / (L * cal.gamma)))
     assert predict("shm", n, topo, cal) == pytest.approx(min(one_round, two_rounds))
     assert predict("shm", n, topo, cal, small=0) == pytest.approx(two_rounds)
-    # segments: one flag-round pair each
+    # segments (1 MiB by default): one flag-round pair each
     big = 16 * MIB
-    assert (predict("shm", big, topo, cal, segment=MIB) - predict("shm", big, topo, cal)
-            == pytest.approx((16 - 4) * 2 * cal.alpha_sync))
+    assert (predict("shm", big, topo, cal, shm_segment=4 * MIB) - predict("shm", big, topo, cal)
+            == pytest.approx((4 - 16) * 2 * cal.alpha_sync))
+    # never larger than the window's half
+    assert predict("shm", big, topo, cal, shm_segment=8 * MIB, window=4 * MIB) == \
+        predict("shm", big, topo, cal, shm_segment=4 * MIB)
+
+
+def test_shm_segments_are_timed_at_their_own_size():
+    """A shared-window profile whose reads slow down past 1 MiB (another core's lines no
+    longer in cache: here a 4 MiB read took 2.7x four 1 MiB ones): a 4 MiB buffer in 1 MiB
+    segments is predicted at the 1 MiB speed, in one 4 MiB segment at the 4 MiB one, and
+    the choice follows."""
+    slow = tuple((n, n / 40e9 * (3 if n > MIB else 1)) for n in costmodel.PROFILE_SIZES if n <= 4 * MIB)
+    cal = dataclasses.replace(DEFAULTS, shared_copy=slow, shared_add=slow, shared_write=slow)
+    topo, n = Topology.uniform(1, 2), 4 * MIB
+    fine, coarse = predict("shm", n, topo, cal), predict("shm", n, topo, cal, shm_segment=4 * MIB)
+    assert fine == pytest.approx(cal.alpha_call + 4 * (predict("shm", MIB, topo, cal) - cal.alpha_call))
+    assert coarse > 2.5 * fine
+    assert choose(n, topo, cal, ("ring", "shm")) == "shm"
+    assert choose(n, topo, cal, ("ring", "shm"), shm_segment=4 * MIB) == "ring"
 
 
 def test_two_level_beats_the_flat_ring_across_slow_links():
@@ -101,7 +119,7 @@ def test_two_level_formula_and_its_segments():
 
     def best(part):
         return costmodel.across_time(costmodel.choose_across(part, N, L, cal), part, N, L, cal)
-    assert predict("two_level", n, topo, cal, segment=n) == pytest.approx(node + 2 * cal.alpha_sync + best(n / L))
+    assert predict("two_level", n, topo, cal, window=n) == pytest.approx(node + 2 * cal.alpha_sync + best(n / L))
     assert predict("two_level", n, topo, cal) == pytest.approx(  # 2 x 4 MiB
         node + 2 * (2 * cal.alpha_sync + best(4 * MIB / L)))
     for how in costmodel.ACROSS:  # a stage forced (HPCDP_ACROSS)
@@ -319,10 +337,11 @@ def test_profiles_replace_the_constants_in_the_formulas():
     chunk = n / p
     assert predict("ring", n, Topology.uniform(1, p), cal) == pytest.approx(
         cal.alpha_call + 2 * (p - 1) * (cal.t_p2p(chunk) + cal.alpha_ring_step) + (p - 1) * cal.t_add(chunk))
+    m = MIB  # two segments of 1 MiB
     assert predict("shm", n, Topology.uniform(1, p), cal) == pytest.approx(
-        cal.alpha_call + 2 * cal.alpha_sync
-        + (p - 1) / p * (cal.t_shared_write(n) + cal.t_shared_copy(n))
-        + cal.t_shared_write(n / p) + (p - 1) * cal.t_shared_add(n / p))
+        cal.alpha_call + 2 * (2 * cal.alpha_sync
+                              + (p - 1) / p * (cal.t_shared_write(m) + cal.t_shared_copy(m))
+                              + cal.t_shared_write(m / p) + (p - 1) * cal.t_shared_add(m / p)))
     # native messages: the profile's bandwidth part, MPI's own latency, after the call
     assert predict("native_rd", 4096, Topology.uniform(1, 2), cal) == pytest.approx(
         cal.alpha_native + costmodel.NATIVE_ALPHA_INTRA + cal.t_p2p(4096) - cal.t_p2p(0)

@@ -6,7 +6,7 @@ import pytest
 import hpcdp
 from bits import assert_identical_everywhere, rank_inputs
 from hpcdp.comm.schedule import simulate
-from hpcdp.comm.shm import SHM_CAPACITY, SHM_SMALL, one_round_fits
+from hpcdp.comm.shm import SHM_SEGMENT, SHM_SMALL, one_round_fits
 
 pytestmark = pytest.mark.mpi
 
@@ -26,20 +26,20 @@ def _rank_order_sum(size, n, dtype):
     return acc
 
 
-def _segments_ring_sum(size, n, dtype, capacity):
+def _segments_ring_sum(size, n, dtype, segment):
     """What the segment path's owners compute: each segment with the ring's bits for it (so
     a buffer of one segment has the ring's bits)."""
     xs = [_inputs(r, n, dtype) for r in range(size)]
-    per = capacity // np.dtype(dtype).itemsize
+    per = segment // np.dtype(dtype).itemsize
     pieces = [simulate([x[lo:lo + per] for x in xs])[0] for lo in range(0, n, per)]
     return np.concatenate(pieces) if pieces else xs[0]
 
 
-def _expected(size, n, dtype, small=SHM_SMALL, capacity=SHM_CAPACITY):
+def _expected(size, n, dtype, small=SHM_SMALL, segment=SHM_SEGMENT):
     nbytes = n * np.dtype(dtype).itemsize
-    if nbytes <= capacity and one_round_fits(nbytes, size, small):
+    if one_round_fits(nbytes, size, small):
         return _rank_order_sum(size, n, dtype)
-    return _segments_ring_sum(size, n, dtype, capacity)
+    return _segments_ring_sum(size, n, dtype, segment)
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -60,6 +60,21 @@ def test_shm_sum_has_the_documented_bits(world, n, dtype, call):
         y = _inputs(rank, n, dtype)
         hpcdp.allreduce(y, op="sum", algo="ring", name="x")
         assert np.array_equal(x, y), f"rank {rank}: shm and ring bits differ"
+
+
+@pytest.mark.parametrize("call", ["blocking", "async"])
+def test_shm_buffer_of_several_segments_has_each_segments_ring_bits(world, rt, call):
+    """Above one segment (``HPCDP_SHM_SEGMENT``), each segment is reduced on its own, with
+    the ring's bits for that segment: 3.5 segments of float32 and 3 elements."""
+    rank, size = world.Get_rank(), world.Get_size()
+    n = 7 * rt.shm_segment // 8 + 3
+    x = _inputs(rank, n, np.float32)
+    if call == "blocking":
+        hpcdp.allreduce(x, op="sum", algo="shm", name="x")
+    else:
+        hpcdp.allreduce_async(x, op="sum", algo="shm", name="x").wait()
+    assert np.array_equal(x, _segments_ring_sum(size, n, np.float32, rt.shm_segment)), f"rank {rank}"
+    assert_identical_everywhere(world, x)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
@@ -211,7 +226,7 @@ def test_small_calls_take_the_compiled_round(world, rt):
 def test_compiled_and_numpy_rounds_give_the_same_bits(world, rt, monkeypatch, dtype, call):
     """The compiled one-round call and two-round segments against numpy's passes (what runs
     where the window's parts are not evenly spaced): sums and float averages, lengths 1 to
-    16 Ki elements (one round) and 64 Ki + 1 and 1.1 Mi (one and two segments)."""
+    16 Ki elements (one round) and 64 Ki + 1 and 1.1 Mi (one segment and several)."""
     rank = world.Get_rank()
     ops = ["sum", "avg"] if np.dtype(dtype).kind == "f" else ["sum"]
     hpcdp.allreduce(np.ones(3, np.float32), algo="shm")  # (makes the window)
