@@ -167,7 +167,8 @@ class _Runtime:
         algo = self._auto.get(nbytes)
         if algo is None:
             from .comm.costmodel import choose
-            # shm is a candidate up to the window's half (HPCDP_SHM_BYTES), the ring above
+            # one node: shm up to the window's half (HPCDP_SHM_BYTES), the ring above, whose
+            # speed held in the VM's slow state where shm's fell to 0.3-0.9x native
             available = ("ring", "two_level") if len(self.nodes) > 1 else \
                 ("ring", "shm") if nbytes <= self.shm_bytes else ("ring",)
             algo = self._auto[nbytes] = choose(nbytes, self.topology(), self.calibration, available,

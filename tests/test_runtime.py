@@ -207,6 +207,24 @@ def test_shm_knobs_must_be_numbers_and_the_same_on_every_rank():
         _agreed_shm(0, [("4M", "")] * 2)
 
 
+@pytest.mark.timeout(120)
+def test_info_shows_the_shared_memory_sizes_and_auto_takes_shm_on_one_node(tmp_path):
+    """One node, the model's default constants (no calibration file): ``shm`` up to
+    ``HPCDP_SHM_BYTES``, the ring above; both sizes as set."""
+    env = {"HPCDP_CALIBRATION": str(tmp_path / "none.json")}
+    p = run_mpi(2, ["-m", "hpcdp.info"], timeout=90, env=env)
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout[p.stdout.index("{"):])
+    assert (info["shm_bytes"], info["shm_segment"]) == (4 << 20, 1 << 20)
+    assert info["auto_picks"] == {"64KiB": "shm", "1MiB": "shm", "25MiB": "ring"}
+    p = run_mpi(2, ["-m", "hpcdp.info"], timeout=90,
+                env=dict(env, HPCDP_SHM_BYTES=str(32 << 20), HPCDP_SHM_SEGMENT="524288"))
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout[p.stdout.index("{"):])
+    assert (info["shm_bytes"], info["shm_segment"]) == (32 << 20, 512 << 10)
+    assert info["auto_picks"] == {"64KiB": "shm", "1MiB": "shm", "25MiB": "shm"}
+
+
 def test_info_names_the_stage_across_nodes_on_pretend_nodes():
     p = run_mpi(2, ["-m", "hpcdp.info"], timeout=60,
                 env={"HPCDP_FAKE_NODES": "1,1", "HPCDP_ACROSS": "halving"})

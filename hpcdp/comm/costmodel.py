@@ -160,7 +160,7 @@ class Calibration:
 # a native call on one rank 0.5 us, beta_intra 15-17 GB/s, beta_mem and gamma 40-44 GB/s over
 # a 4 MiB segment (in cache). Without profiles the model takes in-cache speeds at every size;
 # it prefers shm on one node at every size (the runtime offers shm up to the window's half,
-# see _Runtime.auto_algo), and two_level across nodes.
+# see _Runtime.auto_algo) and two_level across nodes.
 # Measure your machine (hpcdp-bench calibrate): that also writes the profiles.
 DEFAULTS = Calibration(alpha_step=2.5e-6, alpha_inter=50e-6, alpha_sync=0.8e-6, alpha_call=6e-6,
                        beta_intra=16e9, beta_inter=125e6, beta_mem=40e9, gamma=40e9,
