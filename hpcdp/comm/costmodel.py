@@ -402,10 +402,8 @@ def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_CAPA
     Copies and the node's additions are timed at the whole buffer's size, where its cache
     residency is decided; every segment pays its flag rounds and its stage across nodes.
     With one rank on every node, steps 1 and 3 are skipped (the stage runs in place).
-    One node: :func:`_shm`."""
+    One node: :func:`_shm` (see :func:`predict`)."""
     N = topo.nodes
-    if N == 1:
-        return _shm(n, topo.size, cal, min(segment, SHM_SEGMENT), small)
     if n == 0:
         return cal.alpha_call
     lmin, lmax = min(topo.ranks_per_node), max(topo.ranks_per_node)
@@ -509,7 +507,8 @@ def predict(algo: str, nbytes: int, topo: Topology, cal: Calibration = DEFAULTS,
             check: bool = False, across: str | None = None) -> float:
     """Predicted seconds of one allreduce of ``nbytes`` with ``algo`` (one of :data:`ALGOS`;
     hpcdp's own include alpha_call). ``shm_segment``: shm's segment (``HPCDP_SHM_SEGMENT``);
-    ``window``: the node window's half (``HPCDP_SHM_BYTES``), two_level's segment; ``small``: the size up to which shm's one-round variant may be taken;
+    ``window``: the node window's half (``HPCDP_SHM_BYTES``), two_level's segment and the
+    largest of shm's; ``small``: the size up to which shm's one-round variant may be taken;
     ``check``: hpcdp's call makes its argument check (the default of ``hpcdp.allreduce``;
     DDP's buckets skip it), which adds alpha_check to the ring and two_level (shm carries the
     check in its own flag round); ``across``: two_level's stage across nodes (one of
@@ -521,10 +520,10 @@ def predict(algo: str, nbytes: int, topo: Topology, cal: Calibration = DEFAULTS,
                                          window=window, small=small, across=across)
     if algo == "ring":
         return _ring(nbytes, topo, cal)
-    if algo == "shm":
-        if topo.nodes != 1:
-            raise ValueError(f"algo 'shm' needs every rank on one node, this topology has "
-                             f"{topo.nodes} nodes (use 'two_level' or 'ring')")
+    if algo == "shm" and topo.nodes != 1:
+        raise ValueError(f"algo 'shm' needs every rank on one node, this topology has "
+                         f"{topo.nodes} nodes (use 'two_level' or 'ring')")
+    if algo == "shm" or (algo == "two_level" and topo.nodes == 1):  # (one node: one level)
         return _shm(nbytes, topo.size, cal, min(shm_segment, window), small)
     if algo == "two_level":
         return _two_level(nbytes, topo, cal, window, small, across)
