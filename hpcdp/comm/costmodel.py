@@ -364,8 +364,10 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
     segment at a time, and that decides whether another rank's lines are still in cache.
     Reads of what another rank wrote and writes of what another rank read take the shared
     profiles (:meth:`Calibration.t_shared_copy`, :meth:`~Calibration.t_shared_add`,
-    :meth:`~Calibration.t_shared_write`). Not modelled: a buffer too large for the caches
-    streams from memory (here the 16 MiB call is 1.3x sixteen 1 MiB calls).
+    :meth:`~Calibration.t_shared_write`). The whole is never faster than one copy of the
+    buffer at its own size (:meth:`Calibration.t_copy`): every byte of it is read once and
+    written once, and a buffer too large for the caches streams from memory (here a 16 MiB
+    call took 1.5x sixteen 1 MiB calls, the copy of 16 MiB about as long as the call).
     Where one round fits (:func:`hpcdp.comm.shm.one_round_fits`: up to ``small`` bytes and a
     bounded read of the others' inputs), the one-round variant is taken when it is faster:
     copy in, one flag round, every rank reduces the whole buffer itself (a copy and L - 1
@@ -378,7 +380,7 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
         return (2 * cal.alpha_sync + (L - 1) / L * (cal.t_shared_write(m) + cal.t_shared_copy(m))
                 + cal.t_shared_write(m / L) + (L - 1) * cal.t_shared_add(m / L))
     full, rest = divmod(n, segment)
-    big = full * two_rounds(segment) + (two_rounds(rest) if rest else 0.0)
+    big = max(full * two_rounds(segment) + (two_rounds(rest) if rest else 0.0), cal.t_copy(n))
     if one_round_fits(n, L, small):
         one_round = (cal.alpha_sync + cal.t_shared_write(n) + cal.t_shared_copy(n)
                      + (L - 1) * cal.t_shared_add(n))

@@ -91,6 +91,16 @@ def test_shm_segments_are_timed_at_their_own_size():
     assert choose(n, topo, cal, ("ring", "shm"), shm_segment=4 * MIB) == "ring"
 
 
+def test_shm_is_never_faster_than_one_copy_of_the_whole_buffer():
+    """Every byte of the buffer is read and written once: where a copy of the whole buffer
+    (out of cache) takes longer than the segments add up to, that copy is the time."""
+    big = 16 * MIB
+    cal = dataclasses.replace(DEFAULTS, copy=((MIB, MIB / 40e9), (big, 2e-3)))
+    topo = Topology.uniform(1, 2)
+    assert predict("shm", big, topo, cal) == pytest.approx(cal.alpha_call + 2e-3)
+    assert predict("shm", big, topo, DEFAULTS) < cal.alpha_call + 1e-3  # in cache: the segments
+
+
 def test_two_level_beats_the_flat_ring_across_slow_links():
     """2 nodes x 4 ranks, 1 Gbit/s: the flat ring sends 2(p-1)/p n = 1.75 n through each node
     link, two_level 2(N-1)/N n = n."""
