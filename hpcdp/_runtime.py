@@ -273,9 +273,15 @@ def _agreed_across(rank: int, values: list) -> str:
     if bad:
         raise ValueError(f"rank {rank}: HPCDP_ACROSS must be auto, {', '.join(ACROSS)}; "
                          f"got {bad[0]!r} on rank {values.index(bad[0])}")
+    return _same_everywhere(rank, "HPCDP_ACROSS", values)
+
+
+def _same_everywhere(rank: int, name: str, values: list):
+    """Rank 0's value of the variable ``name`` when every rank's (``values``, by rank) is
+    the same, else a ``ValueError`` naming two ranks that differ."""
     other = next((r for r, v in enumerate(values) if v != values[0]), None)
     if other is not None:
-        raise ValueError(f"rank {rank}: HPCDP_ACROSS differs between ranks (rank 0: {values[0]!r}, "
+        raise ValueError(f"rank {rank}: {name} differs between ranks (rank 0: {values[0]!r}, "
                          f"rank {other}: {values[other]!r}): set it alike for the job")
     return values[0]
 
@@ -291,13 +297,9 @@ def _agreed_shm(rank: int, values: list) -> tuple:
     segments would wait in different flag rounds and hang), an error on every rank
     otherwise; the segment at most the window's half."""
     from .comm.shm import SHM_CAPACITY, SHM_SEGMENT
-    for i, name in enumerate(_SHM_KNOBS):
-        other = next((r for r, v in enumerate(values) if v[i] != values[0][i]), None)
-        if other is not None:
-            raise ValueError(f"rank {rank}: {name} differs between ranks (rank 0: {values[0][i]!r}, "
-                             f"rank {other}: {values[other][i]!r}): set it alike for the job")
+    texts = [_same_everywhere(rank, name, [v[i] for v in values]) for i, name in enumerate(_SHM_KNOBS)]
     out = []
-    for name, text, default in zip(_SHM_KNOBS, values[0], (SHM_CAPACITY, SHM_SEGMENT)):
+    for name, text, default in zip(_SHM_KNOBS, texts, (SHM_CAPACITY, SHM_SEGMENT)):
         try:
             value = int(text) if text else default
         except ValueError:

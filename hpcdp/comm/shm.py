@@ -92,7 +92,7 @@ def shm_allreduce(ctx, window, buf, average: bool, sig=None, small: int = SHM_SM
     if _one_round_fits(window, buf, small):
         yield from _one_round(ctx, window, buf, average, sig)
         return
-    per = segment_elements(window, buf, window.segment)
+    per = segment_elements(buf, window.segment)
     compiled = _compiles(window, buf)
     for s, lo in enumerate(range(0, buf.n, per)):
         hi = min(buf.n, lo + per)
@@ -184,10 +184,11 @@ def _divisor(dtype, divisor: int) -> np.ndarray:
     return array
 
 
-def segment_elements(window, buf, nbytes: int) -> int:
-    """Elements of ``buf`` per segment of ``nbytes``, at most what one half of the window
-    holds."""
-    return max(1, min(nbytes, window.capacity) // buf.data.dtype.itemsize)
+def segment_elements(buf, nbytes: int) -> int:
+    """Elements of ``buf`` per segment of ``nbytes`` (a window's ``segment`` or ``capacity``,
+    which :meth:`~hpcdp.comm.nodewin.NodeWindow.attach_data` keeps the one within the
+    other)."""
+    return max(1, nbytes // buf.data.dtype.itemsize)
 
 
 def copy_in(window, buf, lo: int, hi: int, average: bool, divisor: int, skip=None):

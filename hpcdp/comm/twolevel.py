@@ -72,7 +72,7 @@ def two_level_allreduce(ctx, window, slices: int, buf, average: bool, total: int
     communicator, then dividing by ``total`` when ``scale``), ``None`` for local ranks
     ``>= S``. ``tally``: the :class:`StepTally` that is the ``on_step`` of ``across``'s
     communicator (its bytes go into this call's steps)."""
-    per = segment_elements(window, buf, window.capacity)
+    per = segment_elements(buf, window.capacity)
     ctx.step_started()
     for s, lo in enumerate(range(0, buf.n, per)):
         yield from _segment(ctx, window, slices, buf, lo, min(buf.n, lo + per), average, total,
@@ -99,7 +99,7 @@ class StepTally:
 
 def slice_elements(window, buf, slices: int) -> int:
     """The most elements a local rank's slice of a segment can have."""
-    return -(-min(buf.n, segment_elements(window, buf, window.capacity)) // slices)
+    return -(-min(buf.n, segment_elements(buf, window.capacity)) // slices)
 
 
 def _segment(ctx, window, slices, buf, lo, hi, average, total, across, tally, step):
