@@ -167,8 +167,9 @@ class _Runtime:
         algo = self._auto.get(nbytes)
         if algo is None:
             from .comm.costmodel import choose
-            # one node: shm up to the window's half (HPCDP_SHM_BYTES), the ring above, whose
-            # speed held in the VM's slow state where shm's fell to 0.3-0.9x native
+            # one node: shm up to the window's half (HPCDP_SHM_BYTES), the ring above: with
+            # ranks on different last-level caches shm's writes into lines the peers just
+            # read took 4x the ring's time there (docs/collectives.md), the ring's did not
             available = ("ring", "two_level") if len(self.nodes) > 1 else \
                 ("ring", "shm") if nbytes <= self.shm_bytes else ("ring",)
             algo = self._auto[nbytes] = choose(nbytes, self.topology(), self.calibration, available,
