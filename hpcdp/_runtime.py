@@ -69,6 +69,8 @@ class _Runtime:
         self.shm_bytes, self.shm_segment = _agreed_shm(self.rank, [s for _, _, s in everyone])
         self.calibration = _shared_calibration(self.comm, self.rank)
         self._auto = {}
+        # small blocking shared-memory calls' plans by kind of call (hpcdp.collectives)
+        self.round_plans = {}
         self._cross = None
         self.device = "cpu"
         self.cuda = False
@@ -198,6 +200,7 @@ class _Runtime:
         if self._node_window is not None:
             self._node_window.free()
             self._node_window = None
+            self.round_plans.clear()  # (they hold the window's tables)
         if self._cross is not None and self._cross[0] is not None:
             self._cross[0].Free()
         self._cross = None

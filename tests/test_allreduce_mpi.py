@@ -10,6 +10,7 @@ import pytest
 
 import hpcdp
 from bits import assert_identical_everywhere
+from hpcdp.comm.buffers import as_buffer
 from hpcdp.comm.schedule import simulate
 
 pytestmark = pytest.mark.mpi
@@ -100,7 +101,8 @@ def test_a_blocking_call_of_one_rank_is_one_plain_function_at_any_size(world, rt
     size = world.Get_size()
     x = np.full(4 << 20, 3.0, np.float32)  # 16 MiB: chunks over a segment at np <= 4
     rt._tmp.clear()
-    run, *_ = collectives._prepare_allreduce(rt, x, "avg", None, True, True, None, None, None, None)
+    buf = as_buffer(x, "x")
+    run, *_ = collectives._prepare_allreduce(rt, x, buf, 2, True, True, None, None, None, None)
     assert (size == 1) == isinstance(run, functools.partial)
     hpcdp.allreduce(x, op="avg")
     assert np.all(x == 3.0)

@@ -118,44 +118,54 @@ class Engine:
         """Run an operation to completion and return ``result`` (blocking call).
 
         With nothing queued or running it is driven right here, on the caller's
-        thread; otherwise it queues behind the pending operations. ``op`` is an
-        operation generator, or a plain function making blocking MPI calls: called
+        thread (:meth:`claim`); otherwise it queues behind the pending operations. ``op``
+        is an operation generator, or a plain function making blocking MPI calls: called
         directly when run here (none of the generator's round trips through the
         engine, which cost most where ranks outnumber cores), else wrapped as a
         one-step operation for whichever thread drives the queue.
         """
         call = None if hasattr(op, "send") else op
-        with self._lock:  # the condition's lock (cheaper to take directly)
-            if self._closed:
-                raise CommError("hpcdp engine is shut down (hpcdp.finalize() was called)")
-            self._seq += 1
-            h = Handle(self, op if call is None else None, name, result, self._seq, where)
-            if self._running is not None or self._queue:
-                if call is not None:
-                    h._gen = _call_once(call)
-                self._queue.append(h)
-                if self.mode == "thread":
-                    self._ensure_thread()
-                    self._cv.notify_all()
-                inline = False
-            else:
-                self._take(h)
-                inline = True
-        if not inline:
-            return h.wait()
+        h = self.claim(name, result, where, op if call is None else None)
+        if h is None:
+            return self.submit(op if call is None else _call_once(call), name, result,
+                               where).wait()
+        error = None
         if call is None:
             self._step(h, block=True)
         else:
             try:
                 call()
             except Exception as exc:
-                self._failed(h, exc)
-            h.t_end = time.perf_counter_ns()
+                error = exc
+        self.finish(h, error)
+        return h.result
+
+    def claim(self, name: str, result=None, where=None, gen=None) -> Handle | None:
+        """The engine for an operation run right here, on the caller's thread: its handle,
+        now the running operation, when nothing is queued or running (no hand-off, and the
+        progress thread is not woken), else ``None`` (queue it instead). The caller runs the
+        operation, then calls :meth:`finish` with the handle."""
+        with self._lock:  # the condition's lock (cheaper to take directly)
+            if self._closed:
+                raise CommError("hpcdp engine is shut down (hpcdp.finalize() was called)")
+            if self._running is not None or self._queue:
+                return None
+            self._seq += 1
+            h = Handle(self, gen, name, result, self._seq, where)
+            self._take(h)
+        return h
+
+    def finish(self, h: Handle, error: Exception | None = None) -> None:
+        """End the operation of :meth:`claim`: the engine is free again; raise its error
+        (``error``, the exception the caller's run of it raised, as :meth:`Handle.wait`
+        raises it: naming rank and operation)."""
+        if error is not None:
+            self._failed(h, error)
+        h.t_end = time.perf_counter_ns()
         with self._lock:
             self._release(h)  # (the thread may wait for the engine to be free)
         if h._error is not None:
             raise h._error
-        return h.result
 
     @property
     def closed(self) -> bool:

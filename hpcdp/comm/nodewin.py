@@ -189,15 +189,16 @@ class NodeWindow:
             self.round_args = np.array([self.rank, 1, stride, 0, 0, 0], dtype=np.int64)
         self.node.Barrier()  # (a peer's Lock_all may need this rank inside MPI: flag waits are not)
 
-    def views(self, dtype, n: int) -> list:
-        """Every rank's current half as ``n`` elements of ``dtype`` (cached: a training job
-        reduces the same few bucket sizes again and again)."""
-        key = (dtype.char, n, self.half)
+    def views(self, dtype, n: int, half: int | None = None) -> list:
+        """Every rank's current half (or ``half``) as ``n`` elements of ``dtype`` (cached: a
+        training job reduces the same few bucket sizes again and again)."""
+        half = self.half if half is None else half
+        key = (dtype.char, n, half)
         parts = self._views.get(key)
         if parts is None:
             if len(self._views) >= 256:
                 self._views.clear()
-            off, nbytes = self.half * self.capacity, n * dtype.itemsize
+            off, nbytes = half * self.capacity, n * dtype.itemsize
             parts = self._views[key] = [p[off:off + nbytes].view(dtype) for p in self.parts]
         return parts
 
@@ -206,9 +207,9 @@ class NodeWindow:
         (then :meth:`table` serves)."""
         return self.stride is not None and self.stride % dtype.itemsize == 0
 
-    def table(self, dtype, n: int):
-        """Every rank's current half as one flat array of ``dtype``, from rank 0's first
-        element to the last rank's ``n``-th: rank ``r``'s elements start ``r *``
+    def table(self, dtype, n: int, half: int | None = None):
+        """Every rank's current half (or ``half``) as one flat array of ``dtype``, from rank
+        0's first element to the last rank's ``n``-th: rank ``r``'s elements start ``r *``
         :attr:`stride` bytes in (cached); ``None`` when the parts are not evenly spaced in
         memory (MPI allocated them apart: then only :meth:`views` serve)."""
         if not self.spaced(dtype):
@@ -216,13 +217,14 @@ class NodeWindow:
         if n * dtype.itemsize > self.capacity:
             raise ValueError(f"a table of {n} elements of {dtype} does not fit a half of "
                              f"{self.capacity} bytes")
-        key = ("table", dtype.char, n, self.half)
+        half = self.half if half is None else half
+        key = ("table", dtype.char, n, half)
         table = self._views.get(key)
         if table is None:
             if len(self._views) >= 256:
                 self._views.clear()
             length = (self.size - 1) * (self.stride // dtype.itemsize) + n
-            first = self.views(dtype, n)[0]
+            first = self.views(dtype, n, half)[0]
             table = self._views[key] = np.lib.stride_tricks.as_strided(first, shape=(length,),
                                                                        writeable=True)
         return table

@@ -54,7 +54,7 @@ from .shm_kernels import (ARRIVE, AT_1, DONE, FINISH, MISMATCH, ROUND_DTYPES, ST
                           WAIT_2, WAITING, one_round, segment)
 from .waiting import complete, drive
 
-__all__ = ["shm_allreduce", "shm_allreduce_blocking", "copy_in", "copy_out", "reduce_in_ring_order",
+__all__ = ["shm_allreduce", "shm_allreduce_blocking", "RoundPlan", "round_plan", "run_round", "copy_in", "copy_out", "reduce_in_ring_order",
            "reduce_own_slice", "segment_elements", "one_round_fits", "SHM_CAPACITY", "SHM_SEGMENT",
            "SHM_SMALL", "SHM_ROUND_READS", "HALF_DTYPES"]
 
@@ -113,12 +113,11 @@ def shm_allreduce_blocking(ctx, window, buf, average: bool, sig=None, small: int
         drive(ctx.MPI, shm_allreduce(ctx, window, buf, average, sig, small, window.spin_mask + 1),
               ctx.yield_cpu)
         return
-    table = _table(window, buf)
-    if table is not None:
-        if _compiled_round(window, buf, table, average, sig, START, window.spin_mask + 1) == WAITING:
-            ctx.at("shared-memory allreduce: flag round")
-            complete(ctx.MPI, Round(window, ctx.where), ctx.yield_cpu)
-            _compiled_round(window, buf, table, average, sig, FINISH, 1)
+    if _compiles(window, buf):
+        plan = RoundPlan(window, buf.data.dtype, buf.n, average, None if sig is None else sig[0])
+        everyone = run_round(window, plan, buf.data, ctx.MPI, ctx.yield_cpu, ctx.where)
+        if everyone is not None:
+            sig[1](everyone)
         return
     parts = copy_in(window, buf, 0, buf.n, average, window.size)
     pending = window.post(None if sig is None else sig[0], ctx.where)
@@ -127,6 +126,46 @@ def shm_allreduce_blocking(ctx, window, buf, average: bool, sig=None, small: int
         complete(ctx.MPI, pending, ctx.yield_cpu)
     window.arrived(sig)
     _sum_in_rank_order(window, buf, parts, average)
+
+
+class RoundPlan:
+    """What a blocking one-round call of one dtype, length, divisor and signature passes the
+    compiled round, looked up once: both halves' tables, the signature's fields, the
+    divisor. (A small call's cost is its Python steps, not its bytes: a caller that keeps
+    plans, :func:`round_plan`, pays for these lookups once per kind of call.)"""
+
+    __slots__ = ("tables", "sig", "fields", "divisor")
+
+    def __init__(self, window, dtype, n: int, average: bool, sig):
+        self.tables = (window.table(dtype, n, 0), window.table(dtype, n, 1))
+        self.sig = sig
+        self.fields = _NO_FIELDS if sig is None else window.sig_fields(sig)
+        self.divisor = _divisor(dtype, window.size if average else 1)
+
+
+def round_plan(window, buf, average: bool, sig) -> RoundPlan | None:
+    """The :class:`RoundPlan` of a blocking call of ``buf`` with signature ``sig`` (or
+    ``None``: unchecked), or ``None`` where that call does not run as the compiled one round
+    (one rank, no element, too large for one round, a dtype or window the kernels do not
+    take: :func:`shm_allreduce_blocking` serves those)."""
+    if window.size == 1 or buf.n == 0 or not _one_round_fits(window, buf, SHM_SMALL) \
+            or not _compiles(window, buf):
+        return None
+    return RoundPlan(window, buf.data.dtype, buf.n, average, sig)
+
+
+def run_round(window, plan: RoundPlan, data, MPI, yield_cpu: bool, where: dict) -> list | None:
+    """``plan``'s one round on host array ``data``, blocking (the compiled call polls the
+    round while the peers are near, then the caller's wait: :func:`~hpcdp.comm.waiting.complete`,
+    which tells the watchdog through ``where`` who is late). Returns ``None``, or on a
+    signature mismatch every rank's signature (nothing is summed; the caller raises, on
+    every rank)."""
+    status = _compiled_round(window, plan, data, START, window.spin_mask + 1)
+    if status == WAITING:
+        where["phase"] = "shared-memory allreduce: flag round"
+        complete(MPI, Round(window, where), yield_cpu)
+        status = _compiled_round(window, plan, data, FINISH, 1)
+    return window.mismatch(plan.sig) if status == MISMATCH else None
 
 
 def one_round_fits(nbytes: int, ranks: int, small: int = SHM_SMALL) -> bool:
@@ -145,27 +184,18 @@ def _compiles(window, buf) -> bool:
     return buf.dtype.name in ROUND_DTYPES and window.spaced(buf.data.dtype)
 
 
-def _table(window, buf):
-    """The window's current half as the compiled round's table of ``buf``'s length, or
-    ``None`` where ``buf``'s calls do not run compiled."""
-    return window.table(buf.data.dtype, buf.n) if _compiles(window, buf) else None
-
-
-def _compiled_round(window, buf, table, average: bool, sig, stage: int, polls: int) -> int:
-    """The compiled one-round call from ``stage`` (``START``, ``ARRIVE``: copy in and
-    arrive; ``FINISH``: after the caller's wait), polling the numbers up to ``polls`` times;
-    its status (``SUMMED``: then the next call takes the other half). A signature mismatch
-    calls ``sig[1]`` (which raises) on every rank."""
+def _compiled_round(window, plan: RoundPlan, data, stage: int, polls: int) -> int:
+    """The compiled one-round call of ``plan`` on ``data`` from ``stage`` (``START``,
+    ``ARRIVE``: copy in and arrive; ``FINISH``: after the caller's wait), polling the
+    numbers up to ``polls`` times; its status (``SUMMED``: then the next call takes the
+    other half; ``MISMATCH``: the caller raises)."""
     args = window.round_args
     if stage != FINISH:
         window.seq += 1
         args[3] = window.seq
     args[1], args[4] = polls, stage
-    status = one_round(buf.data, table, window.seqs, window.slot_fields[window.seq & 1],
-                       _NO_FIELDS if sig is None else window.sig_fields(sig[0]),
-                       _divisor(buf.data.dtype, window.size if average else 1), args)
-    if status == MISMATCH:
-        sig[1](window.mismatch(sig[0]))
+    status = one_round(data, plan.tables[window.half], window.seqs,
+                       window.slot_fields[window.seq & 1], plan.fields, plan.divisor, args)
     if status == SUMMED:
         window.half ^= 1
     return status
@@ -218,18 +248,19 @@ def _sum_in_rank_order(window, buf, parts, average: bool):
 
 
 def _one_round(ctx, window, buf, average: bool, sig):
-    table = _table(window, buf)
-    if table is not None:
+    if _compiles(window, buf):
         # one poll: the engine waits its own way (the progress thread too); traced, the
         # round and the sum are timed apart
-        status = _compiled_round(window, buf, table, average, sig,
-                                 START if ctx.on_step is None else ARRIVE, 1)
+        plan = RoundPlan(window, buf.data.dtype, buf.n, average, None if sig is None else sig[0])
+        status = _compiled_round(window, plan, buf.data, START if ctx.on_step is None else ARRIVE, 1)
         if status == WAITING:
             ctx.at("shared-memory allreduce: flag round")
             yield Round(window, ctx.where)
-        if status != SUMMED:
+        if status not in (SUMMED, MISMATCH):
             ctx.step_done(0, 0, 0)
-            _compiled_round(window, buf, table, average, sig, FINISH, 1)
+            status = _compiled_round(window, plan, buf.data, FINISH, 1)
+        if status == MISMATCH:
+            sig[1](window.mismatch(sig[0]))
         ctx.step_done(1, 0, 0)
         return
     ctx.at("shared-memory allreduce: copy in")

@@ -5,6 +5,7 @@ import pytest
 
 import hpcdp
 from bits import assert_identical_everywhere, rank_inputs
+from hpcdp.comm.dtypes import dtype_from_name
 from hpcdp.comm.schedule import simulate
 from hpcdp.comm.shm import SHM_SEGMENT, SHM_SMALL, one_round_fits
 
@@ -221,6 +222,36 @@ def test_small_calls_take_the_compiled_round(world, rt):
     assert window.table(np.dtype(np.float32), 10) is not None
 
 
+def test_small_blocking_calls_keep_one_plan_per_kind_of_call(world, rt, monkeypatch):
+    """A small blocking call of the shared-memory algorithm runs its kind's
+    :class:`~hpcdp.comm.shm.RoundPlan` on the caller's thread, made once per dtype, length,
+    op, check and algo (rank-order bits, as the one round's); calls that do not take the one
+    round (one rank, the ring, a buffer of segments) are kept as ``None``: the general path.
+    Repeated and alternating kinds keep their halves in step."""
+    from hpcdp.comm.shm import RoundPlan
+    rank, size = world.Get_rank(), world.Get_size()
+    hpcdp.allreduce(np.ones(3, np.float32), algo="shm")  # (makes the window)
+    monkeypatch.setattr(rt, "round_plans", {})
+    for call in range(6):
+        n = 1001 if call % 2 else 77
+        x = _inputs(rank, n, np.float32)
+        hpcdp.allreduce(x, algo="shm", op="avg", check=call < 4)
+        expected = _rank_order_sum(size, n, np.float32)
+        np.divide(expected, size, out=expected)
+        assert x.tobytes() == expected.tobytes(), f"rank {rank}, call {call}"
+        assert_identical_everywhere(world, x)
+    hpcdp.allreduce(np.ones(1001, np.float32), algo="ring")
+    hpcdp.allreduce(np.ones(1 << 20, np.float32), algo="shm")
+    f32 = dtype_from_name("float32").code
+    kinds = {(n, check): rt.round_plans[(f32, n, 2, check, "shm")]
+             for n in (77, 1001) for check in (True, False)}
+    for kind, plan in kinds.items():
+        assert (size > 1) == isinstance(plan, RoundPlan), f"rank {rank}: {kind}: {plan}"
+    assert rt.round_plans[(f32, 1001, 1, True, "ring")] is None
+    assert rt.round_plans[(f32, 1 << 20, 1, True, "shm")] is None
+    assert len(rt.round_plans) == 6, f"rank {rank}: {sorted(rt.round_plans)}"
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("call", ["blocking", "async"])
 def test_compiled_and_numpy_rounds_give_the_same_bits(world, rt, monkeypatch, dtype, call):
@@ -234,6 +265,7 @@ def test_compiled_and_numpy_rounds_give_the_same_bits(world, rt, monkeypatch, dt
     for path in ("compiled", "numpy"):
         if path == "numpy" and world.Get_size() > 1:
             monkeypatch.setattr(rt.node_data(), "stride", None)
+            monkeypatch.setattr(rt, "round_plans", {})  # (those made for the compiled round)
         for n in (1, 17, 1001, 16384, 65537, 1_100_001):
             for op in ops:
                 x = _inputs(rank, n, dtype)

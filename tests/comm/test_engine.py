@@ -1,0 +1,74 @@
+"""The progress engine's calls on the caller's thread (no MPI: operations here are plain
+functions and generators that need no requests)."""
+import pytest
+
+from hpcdp.comm.engine import Engine
+from hpcdp.errors import CommError
+
+
+class _Comm:
+    """What the engine asks of its communicator outside MPI calls: the rank, for messages."""
+
+    def Get_rank(self):
+        return 3
+
+    def Get_size(self):
+        return 4
+
+
+def _ops(log, name):
+    log.append(f"{name} ran")
+    return
+    yield  # noqa: unreachable; makes this a generator
+
+
+@pytest.mark.parametrize("mode", ["poll", "thread"])
+def test_a_claimed_engine_queues_the_others_until_finished(mode):
+    """``claim`` takes the idle engine for the caller (a running handle); while it holds it a
+    second claim gets ``None`` and a submitted operation waits in the queue; ``finish``
+    frees it and the queued one runs."""
+    engine, log = Engine(_Comm(), None, mode), []
+    try:
+        h = engine.claim("mine", where={})
+        assert h is not None and engine._running is h
+        assert engine.claim("another") is None
+        queued = engine.submit(_ops(log, "queued"), "queued")
+        assert not queued._done and log == []
+        engine.finish(h)
+        assert h._done and engine._running is not h
+        queued.wait()
+        assert log == ["queued ran"]
+        assert engine.claim("again") is not None
+    finally:
+        engine.close()
+
+
+def test_finish_raises_the_callers_error_naming_rank_and_operation_and_frees_the_engine():
+    engine = Engine(_Comm(), None, "poll")
+    h = engine.claim("allreduce(bucket3)")
+    with pytest.raises(CommError, match=r"rank 3: allreduce\(bucket3\) failed: .*boom"):
+        engine.finish(h, RuntimeError("boom"))
+    assert engine._running is None and h._done
+    assert engine.run(lambda: None, "next", result=7) == 7
+
+
+def test_run_queues_behind_a_claimed_operation():
+    """A blocking ``run`` while the engine is claimed on another thread waits its turn."""
+    import threading
+    engine, log = Engine(_Comm(), None, "thread"), []
+    try:
+        h = engine.claim("first")
+        done = threading.Event()
+
+        def second():
+            engine.run(lambda: log.append("second"), "second")
+            done.set()
+
+        threading.Thread(target=second).start()
+        assert not done.wait(0.2) and log == []
+        log.append("first")
+        engine.finish(h)
+        assert done.wait(10)
+        assert log == ["first", "second"]
+    finally:
+        engine.close()
