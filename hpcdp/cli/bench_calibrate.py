@@ -24,6 +24,9 @@ rank holds the same numbers; rank 0 prints one JSON line and writes the file (de
   the shared-memory algorithms wait on;
 * alpha_call: ``hpcdp.allreduce`` (``check=False``) of an empty array: everything a call
   costs but its messages;
+* alpha_round_call: the same call of one float32 element with ``algo="shm"`` (a blocking
+  one-round call, its plan kept) less alpha_sync: what such a call costs but its round and
+  its bytes (only where every rank is on one node);
 * alpha_ring_step: the same call of p float32 elements (one per rank, so every ring step
   carries a message) minus the empty one, per step, minus an 8-byte ``Sendrecv`` on the same
   world ring (so across nodes where the job spans them): the ring's own work per step; the
@@ -207,16 +210,21 @@ def _inter(world, MPI, hostnames, reps: int, out: dict, notes: dict) -> None:
     out["alpha_inter"] = max(0.0, tiny - out.get("alpha_step", costmodel.DEFAULTS.alpha_step))
 
 
-def _call(world, MPI, reps: int, out: dict, notes: dict) -> None:
+def _call(world, MPI, reps: int, out: dict, notes: dict, one_node: bool) -> None:
     """alpha_call (an empty call), alpha_ring_step (per step, a call of one float32 per rank
     minus the empty one and an 8-byte ``Sendrecv`` on the same ring), alpha_check (the
-    argument check) and alpha_native (a native call on one rank)."""
+    argument check), alpha_round_call (a one-element ``algo="shm"`` call, its plan kept,
+    minus alpha_sync; only where every rank is on one node) and alpha_native (a native call
+    on one rank)."""
     import hpcdp
     p = world.Get_size()
-    x, empty = np.zeros(p, np.float32), np.zeros(0, np.float32)
+    x, empty, tiny = np.zeros(p, np.float32), np.zeros(0, np.float32), np.zeros(1, np.float32)
     step_fn = _ring_exchange(world, MPI, TINY)
     step_fn()
-    calls, steps, checks = [], [], []
+    shm = one_node and p > 1
+    if shm:
+        hpcdp.allreduce(tiny, check=False, algo="shm")  # (makes the window and the plan)
+    calls, steps, checks, rounds = [], [], [], []
     for _ in range(reps + 1):
         calls.append(_median(world, lambda: hpcdp.allreduce(empty, check=False), 1, 20))
         if p > 1:
@@ -224,11 +232,19 @@ def _call(world, MPI, reps: int, out: dict, notes: dict) -> None:
             steps.append((full - calls[-1]) / (2 * (p - 1)) - _median(world, step_fn, 1, 20))
             checks.append(_median(world, lambda: hpcdp.allreduce(x, check=True, algo="ring"), 1, 20)
                           - full)
+        if shm:
+            rounds.append(_median(world, lambda: hpcdp.allreduce(tiny, check=False, algo="shm"), 1, 20))
     out["alpha_call"] = world.allreduce(statistics.median(calls[1:]), op=MPI.MAX)
     notes["alpha_call"] = f"an empty call {out['alpha_call'] * 1e6:.1f} us"
     if p > 1:
         out["alpha_ring_step"] = max(0.0, world.allreduce(statistics.median(steps[1:]), op=MPI.MAX))
         out["alpha_check"] = max(0.0, world.allreduce(statistics.median(checks[1:]), op=MPI.MAX))
+    if shm:
+        whole = world.allreduce(statistics.median(rounds[1:]), op=MPI.MAX)
+        out["alpha_round_call"] = max(0.0, whole - out["alpha_sync"])
+        notes["alpha_round_call"] = f"a one-element shm call {whole * 1e6:.1f} us, less a flag round"
+    else:
+        notes["alpha_round_call"] = "the shared-memory algorithm needs two ranks on one node"
     one = np.zeros(2, np.float32)
     out["alpha_native"] = world.allreduce(_median(
         world, lambda: MPI.COMM_SELF.Allreduce(MPI.IN_PLACE, one, op=MPI.SUM), reps, 20), op=MPI.MAX)
@@ -266,7 +282,7 @@ def measure(rt, reps: int = 11) -> tuple:
         _shared(world, pairs, MPI, reps, out, notes)
         out["alpha_sync"] = world.allreduce(_flag_round(local, MPI, reps), op=MPI.MAX)
         _inter(world, MPI, rt.hostnames, reps, out, notes)
-        _call(world, MPI, reps, out, notes)
+        _call(world, MPI, reps, out, notes, len(rt.nodes) == 1)
     finally:
         local.Free()
         world.Free()

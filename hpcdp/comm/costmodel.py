@@ -49,9 +49,9 @@ ACROSS = ("ring", "doubling", "halving")
 ACROSS_MARGIN = 0.05
 # latencies may be 0 (alpha_inter on one node); bandwidths and speeds must be > 0
 _MAY_BE_ZERO = ("alpha_step", "alpha_inter", "alpha_sync", "alpha_call", "alpha_check",
-                "alpha_ring_step")
+                "alpha_ring_step", "alpha_round_call")
 # fields a calibration file may leave out (files written before they existed): the defaults'
-_OPTIONAL = ("alpha_check", "alpha_native", "alpha_ring_step") + PROFILES
+_OPTIONAL = ("alpha_check", "alpha_native", "alpha_ring_step", "alpha_round_call") + PROFILES
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,9 @@ class Calibration:
     alpha_check: float = 0.0   # what the default argument check adds to a ring call
     alpha_ring_step: float = 0.0  # what a step of hpcdp's ring costs beyond its exchange
     alpha_native: float = 1e-6  # one native MPI_Allreduce call on one rank (mpi4py and MPI)
+    # fixed cost of a blocking one-round shm call whose plan is kept (hpcdp.collectives):
+    # the buffer's checks, the engine's claim, the plan's lookup; alpha_call is the rest's
+    alpha_round_call: float = 2e-6
     # measured ((bytes, seconds), ...) by size, increasing: a Sendrecv between ring neighbours
     # inside a node (replaces alpha_step + n / beta_intra), a copy (n / beta_mem) and a float32
     # addition (n / gamma); empty: the constants
@@ -156,7 +159,8 @@ class Calibration:
 
 # hpcdp-bench calibrate on the 2-core VM hpcdp is developed on (MPICH 5, one rank a core,
 # quiet), and a 1 Gbit/s link between nodes: alpha_step 2-3 us, alpha_sync (a flag round)
-# 0.6-1 us, alpha_call (an empty call) 5.5-6.5 us, alpha_ring_step ~2 us, alpha_check ~3 us,
+# 0.6-1 us, alpha_call (an empty call) 5.5-6.5 us, alpha_round_call (a one-round shm call
+# but its round) ~2 us, alpha_ring_step ~2 us, alpha_check ~3 us,
 # a native call on one rank 0.5 us, beta_intra 15-17 GB/s, beta_mem and gamma 40-44 GB/s over
 # a 4 MiB segment (in cache). Without profiles the model takes in-cache speeds at every size;
 # it prefers shm on one node at every size (the runtime offers shm up to the window's half,
@@ -371,7 +375,8 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
     Where one round fits (:func:`hpcdp.comm.shm.one_round_fits`: up to ``small`` bytes and a
     bounded read of the others' inputs), the one-round variant is taken when it is faster:
     copy in, one flag round, every rank reduces the whole buffer itself (a copy and L - 1
-    additions of n, read from the window)."""
+    additions of n, read from the window), as a blocking call with its plan kept
+    (alpha_round_call, not alpha_call: see :func:`hpcdp.collectives.allreduce`)."""
     if ranks == 1 or n == 0:
         return cal.alpha_call
     L = ranks
@@ -380,12 +385,13 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
         return (2 * cal.alpha_sync + (L - 1) / L * (cal.t_shared_write(m) + cal.t_shared_copy(m))
                 + cal.t_shared_write(m / L) + (L - 1) * cal.t_shared_add(m / L))
     full, rest = divmod(n, segment)
-    big = max(full * two_rounds(segment) + (two_rounds(rest) if rest else 0.0), cal.t_copy(n))
+    big = cal.alpha_call + max(full * two_rounds(segment) + (two_rounds(rest) if rest else 0.0),
+                               cal.t_copy(n))
     if one_round_fits(n, L, small):
-        one_round = (cal.alpha_sync + cal.t_shared_write(n) + cal.t_shared_copy(n)
-                     + (L - 1) * cal.t_shared_add(n))
-        big = min(big, one_round)
-    return cal.alpha_call + big
+        one_round = (cal.alpha_round_call + cal.alpha_sync + cal.t_shared_write(n)
+                     + cal.t_shared_copy(n) + (L - 1) * cal.t_shared_add(n))
+        return min(big, one_round)
+    return big
 
 
 def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_CAPACITY,
