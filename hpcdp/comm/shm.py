@@ -54,9 +54,10 @@ from .shm_kernels import (ARRIVE, AT_1, DONE, FINISH, MISMATCH, ROUND_DTYPES, ST
                           WAIT_2, WAITING, one_round, segment)
 from .waiting import complete, drive
 
-__all__ = ["shm_allreduce", "shm_allreduce_blocking", "RoundPlan", "round_plan", "run_round", "copy_in", "copy_out", "reduce_in_ring_order",
-           "reduce_own_slice", "segment_elements", "one_round_fits", "SHM_CAPACITY", "SHM_SEGMENT",
-           "SHM_SMALL", "SHM_ROUND_READS", "HALF_DTYPES"]
+__all__ = ["shm_allreduce", "shm_allreduce_blocking", "RoundPlan", "round_plan", "run_round",
+           "copy_in", "copy_out", "reduce_in_ring_order", "reduce_own_slice", "segment_elements",
+           "one_round_fits", "SHM_CAPACITY", "SHM_SEGMENT", "SHM_SMALL", "SHM_ROUND_READS",
+           "HALF_DTYPES"]
 
 #: bytes of each half of a rank's window part (``HPCDP_SHM_BYTES``): the largest segment,
 #: and two_level's segment
