@@ -376,7 +376,10 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
     bounded read of the others' inputs), the one-round variant is taken when it is faster:
     copy in, one flag round, every rank reduces the whole buffer itself (a copy and L - 1
     additions of n, read from the window), as a blocking call with its plan kept
-    (alpha_round_call, not alpha_call: see :func:`hpcdp.collectives.allreduce`)."""
+    (alpha_round_call, not alpha_call: see :func:`hpcdp.collectives.allreduce`). That
+    constant is a whole call of one element, the compiled round's fixed work included, so
+    the bytes add only what the profiles add beyond their smallest size (a profile's small
+    sizes are mostly the cost of a numpy call, which the compiled round does not make)."""
     if ranks == 1 or n == 0:
         return cal.alpha_call
     L = ranks
@@ -388,10 +391,16 @@ def _shm(n: int, ranks: int, cal: Calibration, segment: int = SHM_SEGMENT,
     big = cal.alpha_call + max(full * two_rounds(segment) + (two_rounds(rest) if rest else 0.0),
                                cal.t_copy(n))
     if one_round_fits(n, L, small):
-        one_round = (cal.alpha_round_call + cal.alpha_sync + cal.t_shared_write(n)
-                     + cal.t_shared_copy(n) + (L - 1) * cal.t_shared_add(n))
+        one_round = (cal.alpha_round_call + cal.alpha_sync + _beyond(cal.t_shared_write, n)
+                     + _beyond(cal.t_shared_copy, n) + (L - 1) * _beyond(cal.t_shared_add, n))
         return min(big, one_round)
     return big
+
+
+def _beyond(t, n: float) -> float:
+    """What ``t(n)`` (a profile's or a bandwidth's time) adds to ``t`` of the profiles'
+    smallest size."""
+    return max(0.0, t(n) - t(PROFILE_SIZES[0]))
 
 
 def _two_level(n: int, topo: Topology, cal: Calibration, segment: int = SHM_CAPACITY,
