@@ -376,6 +376,8 @@ def _one_round_here(rt, buf, opcode: int, check: bool, algo) -> bool:
         plan = _plan_round(rt, buf, opcode, check, algo)
         if plan is _UNPLANNED:
             return False
+        if len(rt.round_plans) >= _MAX_PLANS:
+            rt.round_plans.clear()
         rt.round_plans[key] = plan
     if plan is None:
         return False
@@ -397,6 +399,9 @@ def _one_round_here(rt, buf, opcode: int, check: bool, algo) -> bool:
 
 
 _UNPLANNED = object()  # (a kind of call not planned yet, or not yet plannable)
+#: plans kept at most (a job reduces a few kinds again and again; one that reduces ever new
+#: lengths starts over, as the window's cached views do)
+_MAX_PLANS = 256
 
 
 def _plan_round(rt, buf, opcode: int, check: bool, algo):

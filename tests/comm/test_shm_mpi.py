@@ -250,6 +250,11 @@ def test_small_blocking_calls_keep_one_plan_per_kind_of_call(world, rt, monkeypa
     assert rt.round_plans[(f32, 1001, 1, True, "ring")] is None
     assert rt.round_plans[(f32, 1 << 20, 1, True, "shm")] is None
     assert len(rt.round_plans) == 6, f"rank {rank}: {sorted(rt.round_plans)}"
+    for n in range(1, 301):  # ever new lengths: the plans kept stay bounded
+        y = np.full(n, 1.0, np.float32)
+        hpcdp.allreduce(y, algo="shm")
+        assert np.all(y == size), f"rank {rank}, length {n}"
+    assert len(rt.round_plans) <= 256, f"rank {rank}: {len(rt.round_plans)} plans"
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64], ids=lambda d: np.dtype(d).name)
