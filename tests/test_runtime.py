@@ -39,6 +39,7 @@ def test_init_is_idempotent_and_single_rank_works():
     assert p.stdout.split() == ["1", "1"]
 
 
+@pytest.mark.gpu
 @pytest.mark.timeout(120)
 def test_info_under_mpirun_lists_every_rank():
     p = run_mpi(2, ["-m", "hpcdp.info"], timeout=90)
@@ -50,6 +51,7 @@ def test_info_under_mpirun_lists_every_rank():
     assert info["thread_level"] == "multiple"
 
 
+@pytest.mark.gpu
 @pytest.mark.timeout(120)
 def test_cuda_aware_override_is_reported():
     p = run_mpi(1, ["-m", "hpcdp.info"], timeout=90, env={"HPCDP_CUDA_AWARE": "1"})

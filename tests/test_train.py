@@ -51,6 +51,7 @@ def test_bad_arguments_exit_2(tmp_path):
     assert "--global-batch 1 is smaller than the number of ranks (2)" in p.stderr
 
 
+@pytest.mark.gpu
 @pytest.mark.timeout(120)
 def test_device_flag_puts_the_model_on_the_gpu_or_refuses_without_one():
     pytest.importorskip("torch")

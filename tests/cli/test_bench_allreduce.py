@@ -40,6 +40,7 @@ def test_backend_compare_times_dist_all_reduce_over_hpcdp_and_gloo():
     assert r["ratio_torch_hpcdp_to_native"] == pytest.approx(r["native_time_s"] / r["torch_hpcdp_time_s"])
 
 
+@pytest.mark.gpu
 @pytest.mark.timeout(120)
 def test_device_cuda_runs_on_the_gpu_or_is_refused_without_one():
     pytest.importorskip("torch")

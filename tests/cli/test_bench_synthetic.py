@@ -135,6 +135,7 @@ def test_bad_arguments_exit_2_with_the_reason(args, message):
     assert message in p.stderr, p.stderr
 
 
+@pytest.mark.gpu
 @pytest.mark.timeout(120)
 def test_device_cuda_runs_on_a_gpu_or_is_refused():
     p = synthetic(1, "--model", "resnet18", "--image-size", "32", "--batch-size", "2", "--device", "cuda",

@@ -154,6 +154,7 @@ def test_traced_mode_writes_a_readable_trace_and_reports_its_overhead(tmp_path):
         assert r.of_kind(EventKind.STEP)["step"].tolist() == [0, 1, 2, 3]
 
 
+@pytest.mark.gpu
 @pytest.mark.timeout(180)
 def test_device_cuda_times_every_mode_on_the_gpu_or_is_refused_without_one():
     pytest.importorskip("torch")

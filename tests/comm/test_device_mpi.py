@@ -17,7 +17,7 @@ from hpcdp.compress import OneBit, PowerSGD
 
 from fakegpu import FakeCudaTensor, FakeGPUArray, FakeOps, FakeTorchOps
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.gpu]
 
 
 _DETECTED = {}

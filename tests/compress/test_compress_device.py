@@ -21,6 +21,8 @@ from test_compress import special_values
 SIZES = [0, 1, 7, 8, 9, 1001, 65537]
 FMTS = {"fp16": FMT_FP16, "bf16": FMT_BF16}
 
+pytestmark = pytest.mark.gpu
+
 
 def _cuda():
     if not torch.cuda.is_available():

@@ -10,7 +10,7 @@ import torch.distributed as dist  # noqa: E402
 
 from fakegpu import FakeCudaTensor, FakeTorchOps  # noqa: E402
 
-pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.mpi, pytest.mark.gpu, pytest.mark.timeout(120)]
 
 
 @pytest.mark.parametrize("op", [dist.ReduceOp.SUM, dist.ReduceOp.AVG])
