@@ -2,7 +2,8 @@
 
 One process per rank (``pid`` = rank), two threads per process: ``tid`` 1
 compute (step, forward, backward, exposed wait, optimizer) and ``tid`` 2
-communication (bucket transfers, ring steps, bucket-ready instants). Spans
+communication (bucket transfers, ring steps, bucket-ready instants, the
+torch.distributed backend's calls, named by the call). Spans
 are complete events (``ph: "X"``) with ``ts``/``dur`` in microseconds from the
 run's first event, in rank 0's clock. The file is streamed in batches of
 events, so memory stays flat however large the run.
@@ -53,8 +54,9 @@ def write_chrome(trace: Trace, out: TextIO, steps: tuple[int, int] | None = None
 
 
 _BATCH = 65536
-_STEP, _READY, _COMM, _RING = (int(k) for k in (EventKind.STEP, EventKind.BUCKET_READY,
-                                                EventKind.BUCKET_COMM, EventKind.RING_STEP))
+_STEP, _READY, _COMM, _RING, _CALL = (int(k) for k in (
+    EventKind.STEP, EventKind.BUCKET_READY, EventKind.BUCKET_COMM, EventKind.RING_STEP,
+    EventKind.COLLECTIVE))
 
 
 def _lines(origin: int, r: RankTrace, ev) -> list[str]:
@@ -62,6 +64,7 @@ def _lines(origin: int, r: RankTrace, ev) -> list[str]:
     numbers are ints and finite floats; codec names go through json.dumps)."""
     pid = r.rank
     codec = {c: json.dumps(r.codec_name(c)) for c in set(ev["codec"].tolist())}
+    call = {i: json.dumps(r.call_name(i)) for i in set(ev["index"][ev["kind"] == _CALL].tolist())}
     cols = [ev[f].tolist() for f in ("kind", "step", "bucket", "index", "t0", "t1", "nbytes",
                                      "bytes_sent", "bytes_recv", "codec")]
     lines = []
@@ -76,6 +79,10 @@ def _lines(origin: int, r: RankTrace, ev) -> list[str]:
             lines.append(f'{{"name":"ring {bucket}.{index}","cat":"comm","ph":"X","ts":{ts},"dur":{dur},'
                          f'"pid":{pid},"tid":{COMM_TID},"args":{{"step":{step},"bucket":{bucket},'
                          f'"bytes":{nbytes},"bytes_sent":{sent},"bytes_recv":{recv},"ring_step":{index}}}}}')
+        elif kind == _CALL:
+            lines.append(f'{{"name":{call[index]},"cat":"comm","ph":"X","ts":{ts},"dur":{dur},'
+                         f'"pid":{pid},"tid":{COMM_TID},"args":{{"step":{step},"call":{bucket},'
+                         f'"bytes":{nbytes}}}}}')
         elif kind == _READY:
             lines.append(f'{{"name":"bucket {bucket} ready","cat":"comm","ph":"i","s":"t","ts":{ts},'
                          f'"pid":{pid},"tid":{COMM_TID},"args":{{"step":{step},"bucket":{bucket}}}}}')

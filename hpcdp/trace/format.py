@@ -16,14 +16,15 @@ import numpy as np
 from ..errors import TraceError
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "EventKind", "EVENT_DTYPE", "CLOCK_DTYPE",
+    "FORMAT_NAME", "FORMAT_VERSION", "EventKind", "KINDS_OF_VERSION", "EVENT_DTYPE", "CLOCK_DTYPE",
     "BUCKET_DTYPE", "COMMIT_FIELDS", "rank_filename", "parse_rank_filename", "TraceError",
 ]
 
 #: value of the root attribute ``format``: what marks a file as an hpcdp trace
 FORMAT_NAME = "hpcdp-trace"
-#: value of the root attribute ``format_version``; readers refuse newer versions
-FORMAT_VERSION = 1
+#: value of the root attribute ``format_version``; readers refuse newer versions. Version 2
+#: added the COLLECTIVE kind (and the metadata's ``calls`` names); version 1 files read as before.
+FORMAT_VERSION = 2
 
 
 class EventKind(enum.IntEnum):
@@ -46,6 +47,14 @@ class EventKind(enum.IntEnum):
     OPTIMIZER = 6
     #: level 2 only: one step (``index``) of a bucket's ring allreduce
     RING_STEP = 7
+    #: one call of the torch.distributed backend "hpcdp", from the call to the end of its
+    #: operation (``index``: its name in the metadata's ``calls``; ``bucket``: its number
+    #: within the step)
+    COLLECTIVE = 8
+
+
+#: the event kinds each format version knows (a file names its own in ``event_kinds``)
+KINDS_OF_VERSION = {1: 8, 2: 9}
 
 
 #: one event row as stored in the ``events`` dataset. Times are the writing
@@ -54,8 +63,8 @@ EVENT_DTYPE = np.dtype([
     ("kind", "u1"),        # EventKind
     ("codec", "u1"),       # index into the file's codec names (BUCKET_COMM)
     ("step", "<i4"),       # training step
-    ("bucket", "<i4"),     # bucket index, -1 for phases
-    ("index", "<i4"),      # ring step index (RING_STEP), else -1
+    ("bucket", "<i4"),     # bucket index (COLLECTIVE: the call's number in its step), -1 for phases
+    ("index", "<i4"),      # ring step index (RING_STEP), call name id (COLLECTIVE), else -1
     ("t0", "<i8"),         # start, ns
     ("t1", "<i8"),         # end, ns (== t0 for instants)
     ("nbytes", "<i8"),     # payload of the operation (after compression), bytes

@@ -15,10 +15,13 @@ __all__ = ["timeline_figure", "scaling_figure", "scaling_rows"]
 
 _COLORS = {EventKind.FORWARD: "#4c72b0", EventKind.BACKWARD: "#dd8452",
            EventKind.EXPOSED_WAIT: "#c44e52", EventKind.OPTIMIZER: "#55a868",
-           EventKind.BUCKET_COMM: "#8172b3", EventKind.RING_STEP: "#b7acdb"}
+           EventKind.BUCKET_COMM: "#8172b3", EventKind.RING_STEP: "#b7acdb",
+           EventKind.COLLECTIVE: "#937860"}
 _LABELS = {EventKind.FORWARD: "forward", EventKind.BACKWARD: "backward",
            EventKind.EXPOSED_WAIT: "exposed wait", EventKind.OPTIMIZER: "optimizer",
-           EventKind.BUCKET_COMM: "bucket transfer", EventKind.RING_STEP: "ring step"}
+           EventKind.BUCKET_COMM: "bucket transfer", EventKind.RING_STEP: "ring step",
+           EventKind.COLLECTIVE: "torch.distributed call"}
+_COMM_KINDS = (EventKind.BUCKET_COMM, EventKind.RING_STEP, EventKind.COLLECTIVE)
 
 
 def _figure(**kw):
@@ -57,7 +60,7 @@ def timeline_figure(trace: Trace, steps: tuple[int, int] | None = None):
             e = ev[ev["kind"] == kind]
             if not len(e):
                 continue
-            lane = base + 1 if kind in (EventKind.BUCKET_COMM, EventKind.RING_STEP) else base
+            lane = base + 1 if kind in _COMM_KINDS else base
             h = 0.35 if kind == EventKind.RING_STEP else 0.8
             xs = [((a - t0) / 1e6, (b - a) / 1e6) for a, b in zip(e["t0"].tolist(), e["t1"].tolist())]
             ax.broken_barh(xs, (lane - h / 2, h), facecolors=color, edgecolors="white", linewidth=0.4,

@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 
 from .format import (BUCKET_DTYPE, CLOCK_DTYPE, COMMIT_FIELDS, EVENT_DTYPE, FORMAT_NAME,
-                     FORMAT_VERSION, EventKind, TraceError, parse_rank_filename)
+                     FORMAT_VERSION, KINDS_OF_VERSION, EventKind, TraceError, parse_rank_filename)
 
 __all__ = ["load", "Trace", "RankTrace", "MERGED_DTYPE"]
 
@@ -43,6 +43,7 @@ class RankTrace:
     meta: dict
     codecs: list
     attrs: dict = field(repr=False)  #: the file's root attributes
+    calls: list = field(default_factory=list)  #: names of the COLLECTIVE events' calls
 
     @property
     def offset_ns(self) -> int:
@@ -61,6 +62,10 @@ class RankTrace:
     def codec_name(self, codec: int) -> str:
         """The compression name of an event's ``codec`` id."""
         return self.codecs[codec] if codec < len(self.codecs) else f"codec {codec} (unnamed)"
+
+    def call_name(self, index: int) -> str:
+        """The call name of a COLLECTIVE event's ``index``."""
+        return self.calls[index] if 0 <= index < len(self.calls) else f"call {index} (unnamed)"
 
 
 class Trace:
@@ -217,9 +222,10 @@ def _read_open(path: str, f: h5py.File) -> RankTrace:
         if name not in f:
             raise TraceError(f"{path}: damaged hpcdp trace: dataset {name!r} is missing")
     kinds = [str(k) for k in attrs.get("event_kinds", [])]
-    if kinds != [k.name for k in EventKind]:
-        raise TraceError(f"{path}: event kinds {kinds} differ from this reader's "
-                         f"{[k.name for k in EventKind]}")
+    known = [k.name for k in EventKind][:KINDS_OF_VERSION.get(version, 0)]
+    if kinds != known:
+        raise TraceError(f"{path}: event kinds {kinds} differ from those of trace format "
+                         f"{version}, {known}")
     commit = dict(zip(COMMIT_FIELDS, (int(v) for v in f["commit"][:])))
     for name, count in (("events", "n_events"), ("clock", "n_clock"), ("buckets", "n_buckets"),
                         ("meta_json", "meta_len")):
@@ -232,7 +238,7 @@ def _read_open(path: str, f: h5py.File) -> RankTrace:
     raw = f["meta_json"][:commit["meta_len"]].tobytes()
     try:
         doc = json.loads(raw) if raw else {"meta": {}, "codecs": ["none"]}
-        meta, codecs = doc["meta"], doc["codecs"]
+        meta, codecs, calls = doc["meta"], doc["codecs"], doc.get("calls", [])
     except (ValueError, KeyError, TypeError) as e:
         raise TraceError(f"{path}: damaged hpcdp trace: unreadable metadata ({e})") from e
     events["t0"], events["t1"] = _to_rank0(events["t0"], clock), _to_rank0(events["t1"], clock)
@@ -241,7 +247,7 @@ def _read_open(path: str, f: h5py.File) -> RankTrace:
                      world_size=int(attrs["world_size"]), hostname=str(attrs["hostname"]),
                      level=int(attrs["level"]), complete=bool(commit["closed"]),
                      last_step=commit["last_step"], events=events, clock=clock, buckets=buckets,
-                     meta=meta, codecs=list(codecs), attrs=attrs)
+                     meta=meta, codecs=list(codecs), attrs=attrs, calls=list(calls))
 
 
 def _to_rank0(t: np.ndarray, clock: np.ndarray) -> np.ndarray:
@@ -283,7 +289,8 @@ def _check_steps(r: RankTrace, who: str) -> tuple:
 
 
 def _check_containment(r: RankTrace, who: str) -> list[str]:
-    """Every other event lies inside the STEP of its step (later ones: not finished yet)."""
+    """Every other event lies inside the STEP of its step (later ones: not finished yet); a
+    COLLECTIVE starts inside it (an asynchronous call may end in a later step)."""
     steps = r.of_kind(EventKind.STEP)
     ids = steps["step"].astype(np.int64)
     order = np.argsort(ids)
@@ -296,7 +303,8 @@ def _check_containment(r: RankTrace, who: str) -> list[str]:
     orphan = inner[~found & (inner["step"] <= last)]  # later steps: not finished when flushed
     out = [f"{who} step {e['step']}: {EventKind(e['kind']).name} has no STEP event" for e in orphan[:20]]
     inn, p = inner[found], pos[found]
-    outside = inn[(inn["t0"] < s0[p]) | (inn["t1"] > s1[p])]
+    ends = np.where(inn["kind"] == EventKind.COLLECTIVE, inn["t0"], inn["t1"])
+    outside = inn[(inn["t0"] < s0[p]) | (ends > s1[p])]
     return out + [f"{who} step {e['step']}: {EventKind(e['kind']).name} lies outside its step"
                   for e in outside[:20]]
 

@@ -41,6 +41,7 @@ _NCOLS = len(_COLS)
 _EMPTY_ROW = np.array([0, 0, -1, -1, 0, 0, 0, 0, 0, 0], dtype=np.int64)
 
 _CHUNK_ROWS = 1024  # a flush recompresses the last, partial chunk: keep it small
+_OPEN: set[str] = set()  # this process's trace files being written
 _MAX_CODECS = 256  # codec ids are stored as uint8
 
 
@@ -75,6 +76,7 @@ class Recorder:
 
     - :meth:`span` FORWARD, BACKWARD, EXPOSED_WAIT, OPTIMIZER
     - :meth:`ready` BUCKET_READY, :meth:`comm` BUCKET_COMM, :meth:`ring` RING_STEP
+    - :meth:`call` COLLECTIVE (the torch.distributed backend's calls)
     - :meth:`step` STEP, recorded last in each step; it flushes every ``flush_every``
       steps once ``flush_interval`` seconds have passed since the last flush (0: every
       ``flush_every`` steps exactly).
@@ -86,7 +88,8 @@ class Recorder:
     __slots__ = ("rank", "world_size", "level", "flush_every", "run_id", "path", "_lock", "_cap",
                  "_interval_ns", "_flushed_ns",
                  "_buf", "_mv", "_n", "_steps_pending", "_last_step", "_n_events", "_n_flushes",
-                 "_clock_rows", "_n_clock", "_meta", "_codecs", "_meta_json", "_meta_dirty",
+                 "_clock_rows", "_n_clock", "_meta", "_codecs", "_calls", "_meta_json",
+                 "_meta_dirty",
                  "_buckets", "_buckets_dirty", "_closed", "_file", "_events", "_clock",
                  "_bucket_ds", "_meta_ds", "_commit")
     enabled = True
@@ -102,6 +105,10 @@ class Recorder:
         self._flushed_ns = 0
         self.run_id = run_id or uuid.uuid4().hex
         self.path = os.path.join(os.fspath(directory), rank_filename(rank))
+        if os.path.abspath(self.path) in _OPEN:
+            raise TraceError(f"{self.path} is being written already by this process (the "
+                             "torch.distributed backend's trace, HPCDP_TRACE, or another "
+                             "wrapper's): give each its own directory (trace=DIR)")
         self._lock = threading.Lock()
         self._cap = capacity
         self._buf = np.tile(_EMPTY_ROW, (capacity, 1))
@@ -114,12 +121,14 @@ class Recorder:
         self._n_clock = 0
         self._meta: dict = {}
         self._codecs: list[str] = ["none"]
+        self._calls: list[str] = []
         self._meta_json = self._encode_meta()
         self._meta_dirty = True
         self._buckets = np.zeros(0, dtype=BUCKET_DTYPE)
         self._buckets_dirty = False
         self._closed = False
         self._create(directory, flush_interval)
+        _OPEN.add(os.path.abspath(self.path))
         self.flush()
 
     def _create(self, directory, flush_interval: float) -> None:
@@ -221,6 +230,21 @@ class Recorder:
             mv[o + 7] = bytes_sent
             mv[o + 8] = bytes_recv
 
+    def call(self, t0: int, t1: int, step: int, number: int, call: int, nbytes: int) -> None:
+        """A collective call (COLLECTIVE) made at ``t0`` during ``step``, its operation ended at
+        ``t1``: the step's ``number``-th call, named by ``call`` (an id from :meth:`call_id`),
+        of ``nbytes`` (its tensors' bytes as nccl-tests count them)."""
+        with self._lock:
+            o = self._slot()
+            mv = self._mv
+            mv[o] = 8  # EventKind.COLLECTIVE
+            mv[o + 1] = step
+            mv[o + 2] = number
+            mv[o + 3] = call
+            mv[o + 4] = t0
+            mv[o + 5] = t1
+            mv[o + 6] = nbytes
+
     def step(self, t0: int, t1: int, step: int) -> None:
         """The whole of ``step`` (STEP), recorded after its last event; flushes to
         the file every ``flush_every`` steps."""
@@ -271,6 +295,14 @@ class Recorder:
                 self._meta_json, self._meta_dirty = self._encode_meta(), True
             return self._codecs.index(name)
 
+    def call_id(self, name: str) -> int:
+        """The id to pass as ``call(call=...)`` for the call ``name`` (e.g. ``"allreduce"``)."""
+        with self._lock:
+            if name not in self._calls:
+                self._calls.append(name)
+                self._meta_json, self._meta_dirty = self._encode_meta(), True
+            return self._calls.index(name)
+
     def add_clock(self, sample: ClockSample) -> None:
         """Store a clock-alignment sample (from :func:`align_clocks`). Readers map
         local times to rank 0's by interpolating between samples, so a second
@@ -290,6 +322,7 @@ class Recorder:
             if self._closed:
                 return
             self._closed = True
+            _OPEN.discard(os.path.abspath(self.path))
             self._flush_locked()
             self._file.close()
 
@@ -300,7 +333,8 @@ class Recorder:
         self.close()
 
     def _encode_meta(self, meta: dict | None = None) -> bytes:
-        doc = {"meta": self._meta if meta is None else meta, "codecs": self._codecs}
+        doc = {"meta": self._meta if meta is None else meta, "codecs": self._codecs,
+               "calls": self._calls}
         return json.dumps(doc, default=_json_default, allow_nan=False).encode()
 
     def _flush_locked(self) -> None:
@@ -371,6 +405,9 @@ class NullRecorder:
     def ring(self, t0, t1, step, bucket, index, nbytes, bytes_sent, bytes_recv) -> None:
         pass
 
+    def call(self, t0, t1, step, number, call, nbytes) -> None:
+        pass
+
     def step(self, t0, t1, step) -> None:
         pass
 
@@ -381,6 +418,9 @@ class NullRecorder:
         pass
 
     def codec_id(self, name) -> int:
+        return 0
+
+    def call_id(self, name) -> int:
         return 0
 
     def add_clock(self, sample) -> None:

@@ -5,14 +5,22 @@ Definitions (also in ``docs/tracing.md``), per rank and step, times aligned to r
 - step: STEP duration; forward, backward, exposed, optimizer: the summed
   durations of that phase's events (exposed = EXPOSED_WAIT, the wait from the
   end of backward until every gradient is reduced).
-- communication: length of the union of the step's BUCKET_COMM intervals.
+- communication: length of the union of the step's BUCKET_COMM and COLLECTIVE intervals.
 - compute = forward + backward + optimizer; other = step - forward - backward
-  - exposed - optimizer (time outside the recorded phases).
+  - exposed - optimizer (time outside the recorded phases). In a trace of the
+  torch.distributed backend's calls alone (COLLECTIVE events, no BACKWARD: the backend sees
+  no forward, backward or exposed wait) those three are NaN, and so are the figures made
+  from them.
 - hidden share = 1 - sum(exposed) / sum(communication).
 - bus bandwidth of a bucket = 2 (n - 1) / n * sum(payload bytes) / sum(transfer
   time) over its transfers, n the world size (the nccl-tests convention).
 - slowest rank of a step: the rank whose STEP ends last; lag = latest end -
   earliest end.
+- calls (the torch.distributed backend's COLLECTIVE events), per call name over all ranks
+  and steps: calls per step and rank, mean bytes, mean and p99 time from the call to the
+  end of its operation, and bus bandwidth = factor * sum(bytes) / sum(time) with the
+  nccl-tests factor of the call (allreduce 2 (n - 1) / n, allgather and reduce-scatter
+  (n - 1) / n, broadcast 1; none for other calls and for sub-groups' calls).
 
 Statistics over steps are mean, p50 and p99 (numpy's linear interpolation).
 """
@@ -53,6 +61,7 @@ class Summary:
     lag_ns: np.ndarray         #: per step, latest - earliest step end (NaN as above)
     model_bytes: int           #: sum of the bucket layout's bytes (0 without a layout)
     meta: dict
+    calls: dict                #: call name -> figures, see :func:`summarize`
 
     def stats(self, phase: str) -> dict:
         """{"mean", "p50", "p99"}: per-rank arrays, and "all": the same over all ranks and steps."""
@@ -107,7 +116,7 @@ class Summary:
             "busbw": self.busbw,
             "model_bytes": self.model_bytes, "compression": self.meta.get("compression"),
             "compression_ratio": self.compression_ratio, "buckets": self.buckets,
-            "slowest_rank": self.slowest_rank, "lag_ns": self.lag_ns,
+            "slowest_rank": self.slowest_rank, "lag_ns": self.lag_ns, "calls": self.calls,
         })
 
 
@@ -116,7 +125,10 @@ def summarize(trace: Trace, skip: int = 0) -> Summary:
 
     ``buckets`` holds arrays indexed by row: ``bucket`` (index), ``layout_bytes``
     (from the layout, -1 if unknown), ``payload_bytes`` (mean per transfer),
-    ``transfers``, ``mean_ns`` (mean transfer time) and ``busbw`` (bytes/s).
+    ``transfers``, ``mean_ns`` (mean transfer time) and ``busbw`` (bytes/s). ``calls``
+    maps each torch.distributed call name to ``per_step`` (calls per step and rank),
+    ``calls``, ``mean_bytes``, ``mean_ns``, ``p99_ns`` and ``busbw`` (bytes/s, NaN where
+    no factor applies).
     """
     if skip < 0:
         raise ValueError(f"skip must be >= 0, got {skip}")
@@ -125,7 +137,11 @@ def summarize(trace: Trace, skip: int = 0) -> Summary:
     phases = {p: np.full((nr, ns), np.nan) for p in PHASES}
     volumes = {v: np.full((nr, ns), np.nan) for v in VOLUMES}
     ends = np.full((nr, ns), np.nan)
-    comms = [_rank_figures(trace, r, i, steps, phases, volumes, ends) for i, r in enumerate(trace.ranks)]
+    figures = [_rank_figures(trace, r, i, steps, phases, volumes, ends) for i, r in enumerate(trace.ranks)]
+    comms = [comm for comm, _ in figures]
+    if _calls_only(trace):  # the torch.distributed backend's: no forward, backward or wait seen
+        for name in ("forward", "backward", "exposed"):
+            phases[name][:] = np.nan
     phases["compute"] = phases["forward"] + phases["backward"] + phases["optimizer"]
     phases["other"] = (phases["step"] - phases["forward"] - phases["backward"] - phases["exposed"]
                        - phases["optimizer"])
@@ -135,12 +151,20 @@ def summarize(trace: Trace, skip: int = 0) -> Summary:
                    hostnames=[r.hostname for r in trace.ranks], steps=steps, skipped=skip,
                    phases=phases, volumes=volumes,
                    buckets=_bucket_figures(np.concatenate(comms), layout, trace.world_size),
-                   slowest_rank=slowest, lag_ns=lag, model_bytes=int(layout.sum()), meta=trace.meta)
+                   slowest_rank=slowest, lag_ns=lag, model_bytes=int(layout.sum()), meta=trace.meta,
+                   calls=_call_figures([c for _, c in figures], nr * ns, trace.world_size))
 
 
-def _rank_figures(trace: Trace, r, i: int, steps, phases, volumes, ends) -> np.ndarray:
+def _calls_only(trace: Trace) -> bool:
+    """The run holds the torch.distributed backend's calls and no backward pass."""
+    has = lambda kind: any(len(r.of_kind(kind)) for r in trace.ranks)  # noqa: E731
+    return has(EventKind.COLLECTIVE) and not has(EventKind.BACKWARD)
+
+
+def _rank_figures(trace: Trace, r, i: int, steps, phases, volumes, ends) -> tuple:
     """Fill row ``i`` of ``phases``, ``volumes`` and ``ends`` from rank ``r``'s events of
-    ``steps``; return its BUCKET_COMM events."""
+    ``steps``; return its BUCKET_COMM events and its COLLECTIVE events' (names, bytes,
+    durations)."""
     ns = len(steps)
     ev = r.events
     col = np.searchsorted(steps, ev["step"])
@@ -162,10 +186,13 @@ def _rank_figures(trace: Trace, r, i: int, steps, phases, volumes, ends) -> np.n
         m = ev["kind"] == kind
         phases[name][i] = per_step(m, dur[m])
     c = ev["kind"] == EventKind.BUCKET_COMM
-    phases["communication"][i] = per_step(c, _union_parts(ev["t0"][c], ev["t1"][c]))
+    calls = ev["kind"] == EventKind.COLLECTIVE
+    moving = c | calls
+    phases["communication"][i] = per_step(moving, _union_parts(ev["t0"][moving], ev["t1"][moving]))
     for name, fld in (("payload", "nbytes"), ("bytes_sent", "bytes_sent"), ("bytes_recv", "bytes_recv")):
         volumes[name][i] = per_step(c, ev[fld][c].astype(np.float64))
-    return ev[c]
+    names = np.array([r.call_name(int(k)) for k in ev["index"][calls]], dtype=object)
+    return ev[c], (names, ev["nbytes"][calls].astype(np.float64), dur[calls])
 
 
 def _stragglers(trace: Trace, ends) -> tuple:
@@ -208,6 +235,31 @@ def _bucket_figures(comm: np.ndarray, layout: np.ndarray, world: int) -> dict:
     layout_bytes[known] = layout[idx[known]]
     return {"bucket": idx, "layout_bytes": layout_bytes, "payload_bytes": payload,
             "transfers": count.astype(np.int64), "mean_ns": mean_ns, "busbw": busbw}
+
+
+#: nccl-tests' bus bandwidth factor of a call on n ranks
+_BUS_FACTOR = {"allreduce": lambda n: 2.0 * (n - 1) / n, "allgather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+
+
+def _call_figures(parts: list, rank_steps: int, world: int) -> dict:
+    """Per call name: see :func:`summarize` (``rank_steps``: ranks x steps analysed)."""
+    if not parts:
+        return {}
+    names = np.concatenate([p[0] for p in parts])
+    nbytes = np.concatenate([p[1] for p in parts])
+    dur = np.concatenate([p[2] for p in parts])
+    out = {}
+    for name in sorted(set(names.tolist())):
+        m = names == name
+        factor = _BUS_FACTOR.get(name)  # (a sub-group's name carries its ranks: no factor)
+        time = dur[m].sum()
+        out[name] = {"per_step": m.sum() / rank_steps if rank_steps else math.nan,
+                     "calls": int(m.sum()), "mean_bytes": float(nbytes[m].mean()),
+                     "mean_ns": float(dur[m].mean()), "p99_ns": float(np.percentile(dur[m], 99)),
+                     "busbw": (factor(world) * float(nbytes[m].sum()) / time * 1e9
+                               if factor and time > 0 and world > 1 else math.nan)}
+    return out
 
 
 def _stats(vals: np.ndarray) -> tuple[float, float, float]:
@@ -281,11 +333,12 @@ def format_summary(s: Summary, all_ranks: bool = False) -> str:
                          f"{_ms(st['p99'][i]):>10}")
     comm, exposed = s.per_step("communication"), s.per_step("exposed")
     lines += ["", f"per step: compute {_ms(s.per_step('compute'))} ms, communication {_ms(comm)} ms, "
-                  f"exposed {_ms(exposed)} ms, hidden by overlap {_pct(s.hidden_share)}",
-              f"payload per step {_bytes(s.per_step('payload'))} (compression ratio "
-              f"{'-' if math.isnan(s.compression_ratio) else f'{s.compression_ratio:.3f}'}), "
-              f"sent {_bytes(s.per_step('bytes_sent'))}, "
-              f"received {_bytes(s.per_step('bytes_recv'))} per rank"]
+                  f"exposed {_ms(exposed)} ms, hidden by overlap {_pct(s.hidden_share)}"]
+    if len(s.buckets["bucket"]) or not s.calls:  # (the backend's calls have their own table)
+        lines.append(f"payload per step {_bytes(s.per_step('payload'))} (compression ratio "
+                     f"{'-' if math.isnan(s.compression_ratio) else f'{s.compression_ratio:.3f}'}), "
+                     f"sent {_bytes(s.per_step('bytes_sent'))}, "
+                     f"received {_bytes(s.per_step('bytes_recv'))} per rank")
     b = s.buckets
     if len(b["bucket"]):
         lines += ["", f"{'bucket':>6} {'layout':>10} {'payload':>10} {'transfers':>9} {'mean ms':>9} "
@@ -295,6 +348,14 @@ def format_summary(s: Summary, all_ranks: bool = False) -> str:
             lines.append(f"{b['bucket'][j]:>6} {_bytes(b['layout_bytes'][j]):>10} "
                          f"{_bytes(b['payload_bytes'][j]):>10} {b['transfers'][j]:>9} "
                          f"{_ms(b['mean_ns'][j]):>9} {'-' if math.isnan(bw) else f'{bw / 1e9:.3f}':>9}")
+    if s.calls:
+        lines += ["", f"{'torch.distributed call':<34} {'per step':>8} {'calls':>7} {'bytes':>10} "
+                      f"{'mean ms':>9} {'p99 ms':>9} {'bus GB/s':>9}"]
+        for name, c in s.calls.items():
+            bw = c["busbw"]
+            lines.append(f"{name:<34} {c['per_step']:>8.2f} {c['calls']:>7} {_bytes(c['mean_bytes']):>10} "
+                         f"{_ms(c['mean_ns']):>9} {_ms(c['p99_ns']):>9} "
+                         f"{'-' if math.isnan(bw) else f'{bw / 1e9:.3f}':>9}")
     known = s.slowest_rank >= 0
     if known.any() and len(s.ranks) > 1:
         ranks, counts = np.unique(s.slowest_rank[known], return_counts=True)

@@ -356,6 +356,60 @@ def test_newer_format_version_is_refused(run):
         load(run)
 
 
+def test_version_1_files_read_and_kinds_must_match_their_version(run):
+    """Files written before COLLECTIVE existed (format 1: eight kinds) still read."""
+    path = os.path.join(run, "rank00000.h5")
+    with h5py.File(path, "r+") as f:
+        f.attrs["format_version"] = 1
+        f.attrs["event_kinds"] = [k.name for k in K][:8]
+    assert load(run).rank(0).calls == []
+    with h5py.File(path, "r+") as f:
+        f.attrs["event_kinds"] = [k.name for k in K]
+    with pytest.raises(TraceError, match="differ from those of trace format 1"):
+        load(run)
+
+
+def test_collective_calls_are_recorded_read_and_summarised(tmp_path):
+    """Two ranks, two steps: an allreduce of 1 MB taking 1 ms and a broadcast of 1 kB taking
+    0.5 ms per step; step 1's allreduce ends after its step (asynchronous: not a problem),
+    a broadcast started before its step is one."""
+    for rank in (0, 1):
+        with Recorder(tmp_path, rank, 2, run_id="calls") as rec:
+            ar, bc = rec.call_id("allreduce"), rec.call_id("broadcast")
+            for step in (0, 1):
+                base = 10_000_000 * step
+                rec.call(base + 100, base + 1_000_100, step, 0, ar, 1_000_000)
+                rec.call(base + 2_000_000, base + 2_500_000, step, 1, bc, 1_000)
+                rec.span(K.OPTIMIZER, base + 3_000_000, base + 4_000_000, step)
+                rec.step(base, base + 4_000_000 + (2_000_000 if step else 0), step)
+    trace = load(tmp_path)
+    r = trace.rank(1)
+    calls = r.of_kind(K.COLLECTIVE)
+    assert [r.call_name(int(i)) for i in calls["index"]] == ["allreduce", "broadcast"] * 2
+    assert calls["bucket"].tolist() == [0, 1, 0, 1] and calls["nbytes"].tolist() == [10**6, 1000] * 2
+    assert trace.check() == []
+    s = summarize(trace)
+    ar = s.calls["allreduce"]
+    assert ar["calls"] == 4 and ar["per_step"] == 1.0 and ar["mean_bytes"] == 1e6
+    assert ar["mean_ns"] == 1e6 and ar["busbw"] == pytest.approx(1e9)  # 2 (2-1)/2 x 1 MB / 1 ms
+    assert s.calls["broadcast"]["busbw"] == pytest.approx(2e6)  # factor 1: 1 kB / 0.5 ms
+    assert s.phases["communication"][0].tolist() == [1.5e6, 1.5e6]
+    assert math.isnan(s.phases["backward"][0, 0]) and math.isnan(s.hidden_share)
+    assert s.phases["optimizer"][0].tolist() == [1e6, 1e6]
+    with Recorder(tmp_path, 0, 2, run_id="calls") as rec:  # a call made before its step began
+        rec.call(0, 10, 0, 0, rec.call_id("allreduce"), 4)
+        rec.step(5, 20, 0)
+    assert any("COLLECTIVE lies outside its step" in p for p in load(tmp_path).check())
+
+
+def test_a_trace_file_has_one_writer_per_process(tmp_path):
+    rec = Recorder(tmp_path, 0, 1)
+    with pytest.raises(TraceError, match="being written already by this process"):
+        Recorder(tmp_path, 0, 1)
+    rec.close()
+    Recorder(tmp_path, 0, 1).close()  # free again once closed
+
+
 def test_missing_and_stale_rank_files_are_reported(run, tmp_path):
     part = tmp_path / "part"
     part.mkdir()
