@@ -17,7 +17,9 @@ What it does:
    ``dist.new_group``, lowers hpcdp's stall watchdog to the group's ``timeout``, and
    returns a :class:`~hpcdp.dist.group.ProcessGroupHpcdp`;
 3. its collectives queue on hpcdp's progress engine and return Works whose futures
-   the progress thread completes (:mod:`hpcdp.dist.group`, :mod:`hpcdp.dist.ops`).
+   the progress thread completes (:mod:`hpcdp.dist.group`, :mod:`hpcdp.dist.ops`);
+4. with ``HPCDP_TRACE`` set, every call is recorded into the run's per-rank trace files
+   (:mod:`hpcdp.dist.tracing`).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from .. import _runtime
 from .group import ProcessGroupHpcdp
 from .rendezvous import install as _install_rendezvous
+from .tracing import current_tracer, tracer_for
 
 __all__ = ["BACKEND", "register", "ProcessGroupHpcdp"]
 
@@ -52,11 +55,12 @@ def _create(opts, _backend_options=None):
     if opts.timeout is not None and opts.timeout.total_seconds() > 0:
         _runtime.watch_stalls(rt, opts.timeout.total_seconds(), "the process group's timeout")
     if whole:
-        return ProcessGroupHpcdp(rt, rt.comm.Dup())
+        comm = rt.comm.Dup()
+        return ProcessGroupHpcdp(rt, comm, tracer=tracer_for(rt, comm))
     members = rt.comm.Get_group().Incl(ranks)
     comm = rt.comm.Create_group(members, tag=7)
     members.Free()
-    return ProcessGroupHpcdp(rt, comm, ranks)
+    return ProcessGroupHpcdp(rt, comm, ranks, tracer=current_tracer())
 
 
 def _mismatch(rt, opts, expected) -> str:

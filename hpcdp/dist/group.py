@@ -34,7 +34,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
     """The ``"hpcdp"`` backend's process group (made by ``dist.init_process_group`` and
     ``dist.new_group``; see :mod:`hpcdp.dist`)."""
 
-    def __init__(self, rt, comm, global_ranks=None):
+    def __init__(self, rt, comm, global_ranks=None, tracer=None):
         super().__init__(comm.Get_rank(), comm.Get_size())
         self.rt, self.comm = rt, comm
         self.p2p = comm.Dup()
@@ -43,6 +43,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         self._tags = itertools.count()
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         self._group_name = self._group_desc = ""
+        self.tracer = tracer  # records the calls (hpcdp.dist.tracing), None when off
 
     def getBackendName(self) -> str:
         return "hpcdp"
@@ -69,15 +70,16 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         return OpContext(self.comm, self.rt.MPI, next(self._tags) % 32000 + 1,
                          yield_cpu=self.rt.engine.yield_cpu, rank=self._rank, size=self._size)
 
-    def _submit(self, call: str, staged, value, where: dict, *steps, opts=None):
+    def _submit(self, call: str, staged, value, where: dict, *steps, opts=None, nbytes=None):
         """Queue ``steps`` (generators, run one after the other) then the staged copies back.
         ``where``: what the stall watchdog reads (the steps' context's); ``opts``: the call's
-        options (``asyncOp`` False: run it now, see :func:`~hpcdp.dist.work.submit`)."""
+        options (``asyncOp`` False: run it now, see :func:`~hpcdp.dist.work.submit`);
+        ``nbytes``: the call's size for a trace, where it is not ``value``'s."""
         def operation():
             for step in steps:
                 yield from step
             staged.finish()
-        return submit(self, operation(), call, value, where, _blocking(opts))
+        return submit(self, operation(), call, value, where, _blocking(opts), nbytes)
 
     # -- reductions ---------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -135,7 +137,8 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         else:
             _fold_check(op, input, "reduce_scatter", self._rank)
             body = ops.reduce_by_gathering(ctx, out, inp, op, self._rank * output.numel())
-        return self._submit("reduce_scatter", staged, [output], ctx.where, check, body, opts=opts)
+        return self._submit("reduce_scatter", staged, [output], ctx.where, check, body, opts=opts,
+                            nbytes=input.numel() * input.element_size())
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -266,7 +269,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
     # -- lifetime -----------------------------------------------------------------------
     def shutdown(self):
         """Free the group's communicators once the operations queued before are done
-        (``dist.destroy_process_group``; every member calls it)."""
+        (``dist.destroy_process_group``; every member calls it); flush the trace."""
         if self.comm is None:
             return
         comms = (self.comm, self.p2p)
@@ -274,6 +277,8 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         if self.rt.engine.closed:
             return  # hpcdp was finalised (MPI may be gone): nothing left to free safely
         self.rt.engine.run(functools.partial(_free, comms), f"destroy_process_group{self.label}")
+        if self.tracer is not None:
+            self.tracer.flush()
 
     def abort(self):
         self.shutdown()

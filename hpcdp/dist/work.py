@@ -161,15 +161,20 @@ def _hand_over(done: Completion, engine) -> None:
     _completer(engine).submit(done.deliver)
 
 
-def submit(group, gen, name: str, value, where=None, blocking: bool = False) -> Work:
+def submit(group, gen, name: str, value, where=None, blocking: bool = False,
+           nbytes: int | None = None) -> Work:
     """Queue operation ``gen`` of ``group`` on the engine; a Work completed with ``value``.
     ``where``: the operation's context's dict that the stall watchdog reads. ``blocking``: the
     caller waits for it at once (torch's ``async_op=False``, which torch tells the backend
     as ``opts.asyncOp``): it runs now, on this thread when the engine is idle (as a
     blocking ``hpcdp.allreduce``: no progress thread woken, nothing handed over), and the
-    Work is done (or failed) when this returns."""
+    Work is done (or failed) when this returns. With tracing on (``group.tracer``) the call
+    is recorded, of ``nbytes`` (default: the bytes of ``value``'s tensors)."""
     label = f"{name}{group.label}"
     engine = group.rt.engine
+    if group.tracer is not None:
+        size = sum(t.numel() * t.element_size() for t in _tensors(value)) if nbytes is None else nbytes
+        gen = _traced(gen, group.tracer, group.tracer.start(label, size))
     if blocking:
         try:
             engine.run(gen, label, None, where)
@@ -180,6 +185,14 @@ def submit(group, gen, name: str, value, where=None, blocking: bool = False) -> 
     handle = engine.submit(_completing(gen, done, value, group.rank(), label, engine), label, None,
                            where)
     return Work(done.future, [handle], [done])
+
+
+def _traced(gen, tracer, started):
+    """Generator: ``gen``, then its end recorded by ``tracer`` (done or failed)."""
+    try:
+        yield from gen
+    finally:
+        tracer.end(started)
 
 
 def completed(value) -> Work:

@@ -3,19 +3,11 @@ whole job ends (the other ranks are waiting in DDP's allreduce), with the traceb
 rank named, not a hang."""
 import pytest
 
-from launch import run_mpi
+from launch import TORCH_DDP_SCRIPT, run_mpi
 
 pytest.importorskip("torch")
 
-SCRIPT = """
-import torch, torch.nn as nn, torch.distributed as dist
-import hpcdp
-dist.init_process_group("hpcdp")
-rank, size = dist.get_rank(), dist.get_world_size()
-torch.manual_seed(0)
-model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(64, 256), nn.ReLU(),
-                                                          nn.Linear(256, 10)))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
+SCRIPT = TORCH_DDP_SCRIPT + """
 for step in range(5):
     if rank == size - 1 and step == 2:
         raise ValueError(f"boom on purpose at step {step}")
