@@ -19,11 +19,12 @@ Modes (``--modes``, default ``hpcdp,ddp,local``):
 
 ``hpcdp``       ``hpcdp.DistributedDataParallel`` (``hpcdp-sync``: without overlap)
 ``ddp``         ``torch.nn.parallel.DistributedDataParallel`` on gloo
+``ddp-hpcdp``   the same torch DDP on hpcdp's torch.distributed backend ``"hpcdp"``
 ``local``       every rank runs the same steps at the same time without communicating:
                 the baseline of the scaling efficiency, with the CPU contention included
 
 ``--compression none,fp16,onebit,powersgd:4`` runs every hpcdp mode once per
-entry and ddp once per entry torch has a hook for (fp16 and bf16:
+entry and ddp (and ddp-hpcdp) once per entry torch has a hook for (fp16 and bf16:
 ``fp16_compress_hook``/``bf16_compress_hook``; ``powersgd:R``: ``powerSGD_hook``
 with ``matrix_approximation_rank=R``, from its second step as hpcdp's);
 ``--fp16-allreduce`` is Horovod's spelling of ``--compression fp16``. onebit
@@ -61,10 +62,10 @@ import sys
 import time
 import types
 
-from ._runners import (HPCDP_MODES, Runner, bench_comms, close, compression_list, csv_list,
-                       cuda_refused, has_torch_hook, start_runtime)
+from ._runners import (HPCDP_MODES, TORCH_DDP_MODES, Runner, bench_comms, close, compression_list,
+                       csv_list, cuda_refused, has_torch_hook, start_runtime)
 
-_MODES = ("hpcdp", "hpcdp-sync", "ddp", "local")
+_MODES = ("hpcdp", "hpcdp-sync", "ddp", "ddp-hpcdp", "local")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +103,7 @@ def _variants(modes, compressions, bucket_mb):
     for m in modes:
         if m in HPCDP_MODES:
             out += [(m, bucket_mb, c, None) for c in compressions]
-        elif m == "ddp":
+        elif m in TORCH_DDP_MODES:
             out += [(m, None, c, None) for c in compressions if has_torch_hook(c)]
         else:
             out.append((m, None, None, None))

@@ -51,12 +51,12 @@ def check_horovod_block(lines, what, dev, np_, iters, per_rank):
 @pytest.mark.timeout(300)
 def test_resnet_modes_print_horovods_lines_and_a_record_each():
     p = synthetic(2, "--model", "resnet18", "--image-size", "32", "--batch-size", "4", *SMALL,
-                  "--modes", "hpcdp,hpcdp-sync,ddp,local", env={"HPCDP_ALGO": "ring"})
+                  "--modes", "hpcdp,hpcdp-sync,ddp,ddp-hpcdp,local", env={"HPCDP_ALGO": "ring"})
     assert p.stdout.startswith("Model: resnet18\nBatch size: 4\nNumber of CPUs: 2\nRunning warmup...\n"
                                "Running benchmark...\n"), p.stdout
     blocks, recs = parse(p)
-    assert [r["mode"] for r in recs] == ["hpcdp", "hpcdp-sync", "ddp", "local"]
-    assert list(blocks) == ["hpcdp", "hpcdp-sync", "ddp", "local"]
+    assert [r["mode"] for r in recs] == ["hpcdp", "hpcdp-sync", "ddp", "ddp-hpcdp", "local"]
+    assert list(blocks) == ["hpcdp", "hpcdp-sync", "ddp", "ddp-hpcdp", "local"]
     by = {r["mode"]: r for r in recs}
     for r in recs:
         assert REQUIRED <= set(r), r
@@ -79,7 +79,7 @@ def test_resnet_modes_print_horovods_lines_and_a_record_each():
     for m in ("hpcdp", "hpcdp-sync"):
         assert by[m]["bytes_sent_per_step"] >= 4 * n_params, by[m]
         assert by[m]["algo"] == "ring"
-    assert by["ddp"]["bytes_sent_per_step"] is None
+    assert by["ddp"]["bytes_sent_per_step"] is None and by["ddp-hpcdp"]["bytes_sent_per_step"] is None
 
 
 @pytest.mark.timeout(300)

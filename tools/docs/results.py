@@ -82,10 +82,11 @@ _SYNTHETIC_COLUMNS = [("model", "model", "str"), ("mode", "mode", "str"), ("comp
 # the synthetic benchmark across emulated nodes: link and input besides
 _CLUSTER_SYNTHETIC_COLUMNS = [("link", "rate", "str"), ("batch", "batch_size", "int"),
                               ("image", "image_size", "int"), ("seq", "seq_len", "int")] + _SYNTHETIC_COLUMNS
-_SYNTHETIC = ("(mpirun -np 2 hpcdp-bench synthetic --model resnet50 --image-size 64 --batch-size 32 "
-              "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10; "
+_SYNTHETIC = ("(M='--modes hpcdp,ddp,ddp-hpcdp,local'; "
+              "mpirun -np 2 hpcdp-bench synthetic --model resnet50 --image-size 64 --batch-size 32 "
+              "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10 $M; "
               "mpirun -np 2 hpcdp-bench synthetic --model gpt2-mini --batch-size 4 --seq-len 128 "
-              "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10) "
+              "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10 $M) "
               "| grep '^{' > docs/results/synthetic.jsonl")
 _CLUSTER_SYNTHETIC = ("R='python tools/cluster/bench_train.py --bench synthetic --rates 2gbit "
                       "--out docs/results/cluster-synthetic.jsonl --'; "
