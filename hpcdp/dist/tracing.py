@@ -9,7 +9,8 @@ files as :class:`~hpcdp.DistributedDataParallel` writes (``docs/trace-format.md`
    ..., a sub-group's calls with its ranks), its number within the step and its bytes as
    nccl-tests count them (the tensor of an allreduce or broadcast, the whole output of an
    allgather, the whole input of a reduce-scatter);
-2. OPTIMIZER: ``step()`` of any ``torch.optim`` optimizer (torch's global step hooks);
+2. OPTIMIZER: ``step()`` of any ``torch.optim`` optimizer (torch's global step hooks; the
+   outermost one where an optimizer steps another inside its own step);
 3. STEP n: from the end of optimizer step n - 1 (the default group's creation for step 0)
    to the end of optimizer step n. Calls after the last optimizer step make one more step,
    closed at interpreter exit, when the file is closed.
@@ -35,7 +36,8 @@ _tracer = None
 
 def tracer_for(rt, comm):
     """Collective over ``comm`` (the default group's): the process's :class:`CallTracer`,
-    opened at the first call while ``$HPCDP_TRACE`` names a directory; None when off."""
+    opened by the first default group made while ``$HPCDP_TRACE`` names a directory; None
+    when off."""
     global _tracer
     if _tracer is None:
         from ..trace import open_recorder
@@ -63,7 +65,7 @@ class CallTracer:
         self._lock = threading.Lock()
         self._ids: dict[str, int] = {}
         self.step, self.number, self.step_t0 = 0, 0, rec.now()
-        self._opt_t0 = 0
+        self._opt_t0, self._opt_depth = 0, 0
         self.closed = False
         self._hooks = [register_optimizer_step_pre_hook(self._optimizer_starts),
                        register_optimizer_step_post_hook(self._optimizer_ends)]
@@ -86,11 +88,14 @@ class CallTracer:
                 self.rec.call(t0, self.now(), step, number, cid, nbytes)
 
     def _optimizer_starts(self, optimizer, args, kwargs) -> None:
-        self._opt_t0 = self.now()
+        self._opt_depth += 1
+        if self._opt_depth == 1:
+            self._opt_t0 = self.now()
 
     def _optimizer_ends(self, optimizer, args, kwargs) -> None:
+        self._opt_depth -= 1
         with self._lock:
-            if self.closed:
+            if self.closed or self._opt_depth:
                 return
             t1 = self.now()
             self.rec.span(_OPTIMIZER, self._opt_t0, t1, self.step)

@@ -84,3 +84,41 @@ def test_a_second_writer_of_the_same_trace_is_refused_on_every_rank(tmp_path):
     assert p.stdout.count("refused:") == 2, p.stdout  # (the ranks' lines may interleave)
     for r in (0, 1):
         assert f"rank{r:05d}.h5 is being written already by this process" in p.stdout
+
+
+def test_steps_end_at_the_outermost_optimizer_step_and_late_calls_are_dropped(tmp_path):
+    """One process, the tracer alone: an optimizer that steps another inside its own step
+    makes one step; the calls after the last step make one more, closed with the file; a
+    call that ends after the file was closed is not written."""
+    import torch
+
+    from hpcdp.dist.tracing import CallTracer
+    from hpcdp.trace import Recorder
+
+    w = torch.nn.Parameter(torch.ones(3))
+    inner = torch.optim.SGD([w], lr=0.1)
+
+    class Wrapper(torch.optim.SGD):  # a Lookahead-style optimizer: steps ``inner`` inside
+        def step(self, closure=None):
+            inner.step()
+            return super().step(closure)
+
+    outer = Wrapper([w], lr=0.1)
+    tracer = CallTracer(Recorder(tmp_path, 0, 1))
+    for _ in range(2):
+        tracer.end(tracer.start("allreduce", 12))
+        w.grad = torch.ones(3)
+        outer.step()
+    last = tracer.start("broadcast", 12)
+    tracer.end(last)
+    late = tracer.start("allreduce", 12)
+    tracer.close()
+    tracer.end(late)  # after close: dropped
+    outer.step()      # hooks removed: nothing recorded, nothing raised
+    r = load(tmp_path).rank(0)
+    assert r.of_kind(EventKind.STEP)["step"].tolist() == [0, 1, 2]
+    assert r.of_kind(EventKind.OPTIMIZER)["step"].tolist() == [0, 1]
+    calls = r.of_kind(EventKind.COLLECTIVE)
+    assert [(int(c["step"]), r.call_name(int(c["index"]))) for c in calls] == [
+        (0, "allreduce"), (1, "allreduce"), (2, "broadcast")]
+    assert load(tmp_path).check() == []
