@@ -124,6 +124,13 @@ def _tensors(value):
             yield from _tensors(v)
 
 
+def _nbytes(value) -> int:
+    """The bytes of the tensors in ``value`` (a tensor or nested lists of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    return sum(_nbytes(v) for v in value)
+
+
 def _future(value):
     """A future that may hold ``value`` (CUDA tensors need their devices named)."""
     devices = sorted({str(t.device) for t in _tensors(value) if t.is_cuda})
@@ -139,18 +146,26 @@ def _completer(engine) -> ThreadPoolExecutor:
     return _pool
 
 
-def _completing(gen, done: Completion, value, rank: int, name: str, engine):
+def _completing(gen, done: Completion, value, rank: int, name: str, engine, traced=None):
     """Generator: ``gen``, then ``done`` holds ``value`` or ``gen``'s error (the one the
-    engine's handle raises too), delivered as the module docstring says."""
+    engine's handle raises too), delivered as the module docstring says; ``traced``: the
+    ``(tracer, started)`` that records the call's end."""
     try:
         yield from gen
     except Exception as exc:
         error = as_comm_error(rank, name, exc)
         done.failed, done.outcome = True, error  # (the flag first: deliver() reads outcome)
+        _traced_end(traced)
         _hand_over(done, engine)
         raise error
     done.outcome = value
+    _traced_end(traced)
     _hand_over(done, engine)
+
+
+def _traced_end(traced) -> None:
+    if traced is not None:
+        traced[0].end(traced[1])
 
 
 def _hand_over(done: Completion, engine) -> None:
@@ -172,27 +187,21 @@ def submit(group, gen, name: str, value, where=None, blocking: bool = False,
     is recorded, of ``nbytes`` (default: the bytes of ``value``'s tensors)."""
     label = f"{name}{group.label}"
     engine = group.rt.engine
+    traced = None
     if group.tracer is not None:
-        size = sum(t.numel() * t.element_size() for t in _tensors(value)) if nbytes is None else nbytes
-        gen = _traced(gen, group.tracer, group.tracer.start(label, size))
+        traced = (group.tracer, group.tracer.start(label, _nbytes(value) if nbytes is None else nbytes))
     if blocking:
         try:
             engine.run(gen, label, None, where)
         except Exception as exc:
             return failed(as_comm_error(group.rank(), label, exc), value)
+        finally:
+            _traced_end(traced)
         return completed(value)
     done = Completion(_future(value))
-    handle = engine.submit(_completing(gen, done, value, group.rank(), label, engine), label, None,
-                           where)
+    handle = engine.submit(_completing(gen, done, value, group.rank(), label, engine, traced), label,
+                           None, where)
     return Work(done.future, [handle], [done])
-
-
-def _traced(gen, tracer, started):
-    """Generator: ``gen``, then its end recorded by ``tracer`` (done or failed)."""
-    try:
-        yield from gen
-    finally:
-        tracer.end(started)
 
 
 def completed(value) -> Work:
