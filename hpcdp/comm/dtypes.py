@@ -55,37 +55,12 @@ _bf16_kernels = None
 
 
 def _bf16():
-    """Compile the bfloat16 kernels on first use (keeps ``import hpcdp`` fast)."""
+    """The bfloat16 kernels (:mod:`hpcdp.comm.jit`, imported on first use: keeps ``import
+    hpcdp`` fast)."""
     global _bf16_kernels
     if _bf16_kernels is None:
-        import numba
-
-        @numba.njit(inline="always")
-        def to_f32(h):
-            return np.uint32(np.uint32(h) << np.uint32(16))
-
-        @numba.njit(inline="always")
-        def from_f32(u):
-            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: keep it quiet NaN
-                return np.uint16(np.uint32(u >> np.uint32(16)) | np.uint32(0x0040))
-            rounding = np.uint32(np.uint32(0x7FFF) + np.uint32((u >> np.uint32(16)) & np.uint32(1)))
-            return np.uint16(np.uint32(u + rounding) >> np.uint32(16))
-
-        @numba.njit(nogil=True, cache=True)
-        def add(dst, src):
-            for i in range(dst.shape[0]):
-                a = to_f32(dst[i]).view(np.float32)
-                b = to_f32(src[i]).view(np.float32)
-                dst[i] = from_f32(np.float32(a + b).view(np.uint32))
-
-        @numba.njit(nogil=True, cache=True)
-        def scale(dst, factor):
-            f = np.float32(factor)
-            for i in range(dst.shape[0]):
-                a = to_f32(dst[i]).view(np.float32)
-                dst[i] = from_f32(np.float32(a * f).view(np.uint32))
-
-        _bf16_kernels = (add, scale)
+        from .jit import bf16_add, bf16_scale
+        _bf16_kernels = (bf16_add, bf16_scale)
     return _bf16_kernels
 
 

@@ -8,7 +8,7 @@ a microsecond each, N + 1 passes for an owner's slice) was most of a small call.
 
 1. copy the buffer into this rank's row of the window's current half;
 2. write the call's signature (when checked) into its slot, then raise this rank's
-   sequence number with a release store (:mod:`hpcdp.comm.atomics`);
+   sequence number with a release store (:mod:`hpcdp.comm.jit`);
 3. poll the numbers (acquire loads), up to ``polls`` times (at least 1), until every
    rank's has reached it; if one has not, return ``WAITING``: the caller waits its own way
    (poking MPI, yielding the core, telling the watchdog who is late) and calls again with
@@ -36,8 +36,9 @@ owner-computes path, resumable at each wait:
 steps apart).
 
 Both do numpy's additions and division in numpy's order (no fastmath, so no
-reassociation or contraction): the numpy path's bits, the ring's for a segment. Compiled
-on first use (per dtype) and cached on disk, like :mod:`hpcdp.compress.kernels`.
+reassociation or contraction): the numpy path's bits, the ring's for a segment. They live
+in :mod:`hpcdp.comm.jit` (which imports numba), compiled on first use (per dtype) and cached
+on disk, like :mod:`hpcdp.compress.kernels`.
 """
 from __future__ import annotations
 
@@ -54,9 +55,6 @@ WAIT_1, AT_1, WAIT_2, AT_2, DONE = 10, 11, 12, 13, 14
 #: where :func:`one_round` starts and stops: steps 1-5, steps 3-5, steps 1-3 (``ARRIVED``
 #: once everyone has: a level-2 trace times the round and the sum apart)
 START, FINISH, ARRIVE = 0, 1, 2
-
-#: elements per block (a block of each operand stays in L1/L2 across the passes)
-_BLOCK = 4096
 
 _kernels = None  # (one_round, segment), made on first use
 
@@ -85,157 +83,15 @@ def segment(seg, table, seqs, slot, sig, divisor, args) -> int:
     return _kernels[1](seg, table, seqs, slot, sig, divisor, args)
 
 
-def _elementwise(numba, opts):
-    """The passes over whole slices the kernels are made of (inlined into them: loops over
-    whole slices vectorise, a loop over indices into all operands did not)."""
-
-    @numba.njit(inline="always", **opts)
-    def add(out, a, b):
-        for i in range(out.shape[0]):
-            out[i] = a[i] + b[i]
-
-    @numba.njit(inline="always", **opts)
-    def add_to(out, a):
-        for i in range(out.shape[0]):
-            out[i] += a[i]
-
-    @numba.njit(inline="always", **opts)
-    def divide(out, divisor):
-        for i in range(out.shape[0]):
-            out[i] = out[i] / divisor
-
-    @numba.njit(inline="always", **opts)
-    def copy(out, a):
-        for i in range(out.shape[0]):
-            out[i] = a[i]
-
-    return add, add_to, divide, copy
+#: the codes above in :data:`hpcdp.comm.jit.CODES`' order (the compiled kernels' own copies)
+_CODES = (WAITING, SUMMED, MISMATCH, ARRIVED, START, FINISH, ARRIVE, WAIT_1, AT_1, WAIT_2, AT_2, DONE)
 
 
 def _compile():
-    """Both kernels (each compiled at its first call, per dtype)."""
-    import numba
-
-    from .atomics import store_release
-
-    opts = dict(nogil=True, cache=True, fastmath=False)
-    add, add_to, divide, copy = _elementwise(numba, opts)
-    arrive, arrived, agree = _flag_round(numba, opts)
-
-    @numba.njit(**opts)
-    def one_round_kernel(out, table, seqs, slot, sig, divisor, args):
-        # rows are contiguous slices of one span (loops over whole slices vectorise; a
-        # strided 2-D view did not)
-        rank, polls, stride, seq, stage = args[0], args[1], args[2] // out.itemsize, args[3], args[4]
-        size, n = len(seqs), out.shape[0]
-        if stage != FINISH:
-            copy(table[rank * stride:rank * stride + n], out)
-            arrive(seqs, slot, sig, rank, seq)
-        if not arrived(seqs, size, seq, polls):
-            return WAITING
-        if stage == ARRIVE:
-            return ARRIVED
-        if not agree(slot, sig, size):
-            return MISMATCH
-        add(out, table[:n], table[stride:stride + n])
-        for r in range(2, size):
-            add_to(out, table[r * stride:r * stride + n])
-        if divisor[0] != 1:
-            divide(out, divisor[0])
-        return SUMMED
-
-    @numba.njit(**opts)
-    def segment_kernel(seg, table, seqs, slot, sig, divisor, args):
-        rank, polls, stride, seq = args[0], args[1], args[2] // seg.itemsize, args[3]
-        stage, stop = args[4], args[5]
-        size, m = len(seqs), seg.shape[0]
-        base, extra = m // size, m % size  # the ring's chunk bounds (schedule.chunk_bounds)
-        a = rank * base + min(rank, extra)
-        b = a + base + (1 if rank < extra else 0)
-        mine = table[rank * stride:rank * stride + m]
-        if stage == 0:
-            copy(mine[:a], seg[:a])
-            copy(mine[b:], seg[b:])
-            arrive(seqs, slot, sig, rank, seq + 1)
-            stage = 1
-        if stage == 1:
-            if not arrived(seqs, size, seq + 1, polls):
-                return WAIT_1
-            stage = 2
-            if stop:
-                return AT_1
-        if stage == 2:
-            if not agree(slot, sig, size):
-                return MISMATCH
-            for lo in range(a, b, _BLOCK):  # (block by block: the passes run in cache)
-                hi = min(b, lo + _BLOCK)
-                out = mine[lo:hi]
-                peer = (rank + 1) % size
-                add(out, seg[lo:hi], table[peer * stride + lo:peer * stride + hi])
-                for i in range(2, size):
-                    peer = (rank + i) % size
-                    add_to(out, table[peer * stride + lo:peer * stride + hi])
-                if divisor[0] != 1:
-                    divide(out, divisor[0])
-                copy(seg[lo:hi], out)
-            store_release(seqs, rank, seq + 2)  # (the second round carries no signature)
-            stage = 3
-        if stage == 3:
-            if not arrived(seqs, size, seq + 2, polls):
-                return WAIT_2
-            stage = 4
-            if stop:
-                return AT_2
-        for j in range(size):
-            if j != rank:
-                p = j * base + min(j, extra)
-                q = p + base + (1 if j < extra else 0)
-                copy(seg[p:q], table[j * stride + p:j * stride + q])
-        return DONE
-
-    return one_round_kernel, segment_kernel
-
-
-def _flag_round(numba, opts):
-    """The flag round's pieces (inlined into the kernels):
-
-    * ``arrive(seqs, slot, sig, rank, seq)``: this rank's signature fields into its part of
-      ``slot``, then its number raised to ``seq`` (a release store: data and signature
-      before the number);
-    * ``arrived(seqs, size, seq, polls)``: whether every rank's number reaches ``seq``
-      within ``polls`` polls of acquire loads;
-    * ``agree(slot, sig, size)``: whether every rank posted this rank's signature (an
-      empty one: unchecked)."""
-    from .atomics import load_acquire, store_release
-
-    @numba.njit(inline="always", **opts)
-    def arrive(seqs, slot, sig, rank, seq):
-        fields = sig.shape[0]
-        for f in range(fields):
-            slot[rank * fields + f] = sig[f]
-        store_release(seqs, rank, seq)
-
-    @numba.njit(inline="always", **opts)
-    def everyone_at(seqs, size, seq):
-        for r in range(size):
-            if load_acquire(seqs, r) < seq:
-                return False
-        return True
-
-    @numba.njit(inline="always", **opts)
-    def arrived(seqs, size, seq, polls):
-        for _ in range(polls):
-            if everyone_at(seqs, size, seq):
-                return True
-        return False
-
-    @numba.njit(inline="always", **opts)
-    def agree(slot, sig, size):
-        fields = sig.shape[0]
-        for r in range(size):
-            for f in range(fields):
-                if slot[r * fields + f] != sig[f]:
-                    return False
-        return True
-
-    return arrive, arrived, agree
+    """Both kernels (:mod:`hpcdp.comm.jit`: each compiled at its first call per dtype, or
+    loaded from numba's disk cache), once their codes are checked against these."""
+    from . import jit
+    if jit.CODES != _CODES:
+        raise RuntimeError(f"hpcdp.comm.jit returns codes {jit.CODES}, hpcdp.comm.shm_kernels "
+                           f"expects {_CODES}: the two files disagree (a partial upgrade?)")
+    return jit.one_round_kernel, jit.segment_kernel

@@ -3,9 +3,9 @@ pretend ranks: numpy's and the ring's bits, waits, stops, signature mismatches."
 import numpy as np
 import pytest
 
-from hpcdp.comm import shm_kernels
+from hpcdp.comm import jit, shm_kernels
 
-BLOCK = shm_kernels._BLOCK
+BLOCK = jit._BLOCK
 
 
 # -- the compiled one-round call ---------------------------------------------------------------
@@ -196,3 +196,41 @@ def test_segment_keeps_nan_and_inf():
     segs, _ = _replay_segment(xs, divisor=2)
     for s in segs:
         assert s[0] == np.inf and s[1] == np.inf and np.isnan(s[2]) and np.isnan(s[3])
+
+
+# -- numba's disk cache ------------------------------------------------------------------------
+CACHED = """
+import json, numpy as np
+from hpcdp.comm import jit, shm_kernels
+from hpcdp.comm.dtypes import host_adder, host_scale, DTYPES
+none, one = np.zeros(0, np.int64), np.ones(1, np.float32)
+shm_kernels.one_round(np.ones(4, np.float32), np.zeros(8, np.float32), np.zeros(1, np.int64), none,
+                      none, one, np.array([0, 1, 32, 1, shm_kernels.START], np.int64))
+shm_kernels.segment(np.ones(8, np.float32), np.zeros(16, np.float32), np.zeros(1, np.int64), none,
+                    none, one, np.array([0, 1, 64, 1, 0, 0], np.int64))
+bf16 = np.zeros(3, np.uint16)
+host_adder(DTYPES["bfloat16"])(bf16, bf16)
+host_scale(DTYPES["bfloat16"], bf16, 2)
+kernels = (jit.one_round_kernel, jit.segment_kernel, jit.bf16_add, jit.bf16_scale)
+print(json.dumps({k.__name__: [sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values())]
+                  for k in kernels}))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_second_process_loads_every_kernel_from_numbas_cache(tmp_path):
+    """The first process compiles each kernel and writes it to the cache; the next loads
+    it (kernels made as closures over other compiled functions were compiled again by every
+    process, about a second each, and added a cache entry no one read)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", CACHED], capture_output=True, text=True, env=env,
+                           timeout=150) for _ in range(2)]
+    first, second = (json.loads(r.stdout) if r.returncode == 0 else r.stderr for r in runs)
+    assert all(misses >= 1 for _, misses in first.values()), first
+    assert all(hits >= 1 and misses == 0 for hits, misses in second.values()), second
+    files = sorted(p.name for p in tmp_path.rglob("*.nb*"))
+    assert len(files) == 2 * len(first), files  # an index and one entry per kernel, once
