@@ -77,6 +77,38 @@ def world(rt):
     return rt.comm
 
 
+_STARTED = __import__("time").time()
+#: shared-memory files the MPIs leave when a job is aborted (MPI_Abort: the tests of abort
+#: and stall handling do it on purpose)
+_SEGMENTS = ("mpich_shm_", "sm_segment.")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the MPIs' /dev/shm segments made during this session that no live process
+    maps: aborted test jobs would otherwise leave them behind, in memory, run after run."""
+    if _mpi_run(session.config) or not os.path.isdir("/dev/shm"):
+        return
+    made = {e.path for e in os.scandir("/dev/shm")
+            if e.name.startswith(_SEGMENTS) and e.stat().st_mtime >= _STARTED}
+    for maps in _proc_maps():
+        made -= {line.rsplit(" ", 1)[-1] for line in maps if "/dev/shm/" in line}
+    for path in made:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def _proc_maps():
+    """Every live process's memory map lines (those it may read)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                yield [line.rstrip("\n") for line in f]
+        except OSError:
+            continue
+
+
 def pytest_collection_modifyitems(config, items):
     # hard ceiling for every test unless it says otherwise
     for item in items:
