@@ -5,12 +5,12 @@ fast.
 
 Every kernel is a module-level function compiled on its first call (per dtype) and cached
 on disk (``cache=True``: ``__pycache__`` beside this file, or ``NUMBA_CACHE_DIR``), so a
-process loads what an earlier one compiled. (Kernels made inside a function, as closures
-over other compiled functions, were keyed by those functions' identities: every process
-compiled them again, about a second each, and added a cache entry that no one read.)
-numba checks only this file for changes, so everything the kernels read at compile time
-is defined here, the codes they return included; :mod:`hpcdp.comm.shm_kernels` checks
-that its copies of the codes agree before the first call.
+process loads what an earlier one compiled. Keep them module-level: numba keys a closure
+over other compiled functions by those functions' identities, so every process would
+compile it again (about a second) and add a cache entry that no one reads. numba checks
+only this file for changes, so everything the kernels read at compile time is defined
+here, the codes they return included; :mod:`hpcdp.comm.shm_kernels` checks that its copies
+of the codes agree before the first call.
 """
 from __future__ import annotations
 
