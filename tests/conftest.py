@@ -12,6 +12,7 @@ never a hang. Ranks other than 0 keep quiet unless something fails.
 """
 import os
 import sys
+import time
 
 import pytest
 
@@ -77,7 +78,7 @@ def world(rt):
     return rt.comm
 
 
-_STARTED = __import__("time").time()
+_STARTED = time.time()
 #: shared-memory files the MPIs leave when a job is aborted (MPI_Abort: the tests of abort
 #: and stall handling do it on purpose)
 _SEGMENTS = ("mpich_shm_", "sm_segment.")

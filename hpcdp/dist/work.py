@@ -124,13 +124,6 @@ def _tensors(value):
             yield from _tensors(v)
 
 
-def _nbytes(value) -> int:
-    """The bytes of the tensors in ``value`` (a tensor or nested lists of them)."""
-    if isinstance(value, torch.Tensor):
-        return value.nbytes
-    return sum(_nbytes(v) for v in value)
-
-
 def _future(value):
     """A future that may hold ``value`` (CUDA tensors need their devices named)."""
     devices = sorted({str(t.device) for t in _tensors(value) if t.is_cuda})
@@ -189,7 +182,8 @@ def submit(group, gen, name: str, value, where=None, blocking: bool = False,
     engine = group.rt.engine
     traced = None
     if group.tracer is not None:
-        traced = (group.tracer, group.tracer.start(label, _nbytes(value) if nbytes is None else nbytes))
+        size = sum(t.nbytes for t in _tensors(value)) if nbytes is None else nbytes
+        traced = (group.tracer, group.tracer.start(label, size))
     if blocking:
         try:
             engine.run(gen, label, None, where)

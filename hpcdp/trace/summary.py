@@ -157,8 +157,8 @@ def summarize(trace: Trace, skip: int = 0) -> Summary:
 
 def _calls_only(trace: Trace) -> bool:
     """The run holds the torch.distributed backend's calls and no backward pass."""
-    has = lambda kind: any(len(r.of_kind(kind)) for r in trace.ranks)  # noqa: E731
-    return has(EventKind.COLLECTIVE) and not has(EventKind.BACKWARD)
+    kinds = {int(k) for r in trace.ranks for k in np.unique(r.events["kind"])}
+    return EventKind.COLLECTIVE in kinds and EventKind.BACKWARD not in kinds
 
 
 def _rank_figures(trace: Trace, r, i: int, steps, phases, volumes, ends) -> tuple:

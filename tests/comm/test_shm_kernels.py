@@ -1,5 +1,10 @@
 """The shared-memory allreduce's kernels (hpcdp.comm.shm_kernels), in one process with
 pretend ranks: numpy's and the ring's bits, waits, stops, signature mismatches."""
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -222,10 +227,6 @@ def test_a_second_process_loads_every_kernel_from_numbas_cache(tmp_path):
     """The first process compiles each kernel and writes it to the cache; the next loads
     it (kernels made as closures over other compiled functions were compiled again by every
     process, about a second each, and added a cache entry no one read)."""
-    import json
-    import os
-    import subprocess
-    import sys
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     runs = [subprocess.run([sys.executable, "-c", CACHED], capture_output=True, text=True, env=env,
                            timeout=150) for _ in range(2)]
