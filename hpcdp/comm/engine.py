@@ -362,7 +362,8 @@ class Engine:
             stage += f" step {where['step']}"
         peer = where.get("peer")
         others = [r for r in range(size) if r != rank]
-        late = where.get("late")
+        late = where.get("late")  # in a flag round: who has not arrived, asked now
+        late = late() if late is not None else None
         if late:  # a flag round of the node's shared memory: who has not arrived is known
             peer = late[0] if len(late) == 1 else None
             others = late

@@ -47,7 +47,8 @@ class Round:
     on it like an MPI request (with ``yield_cpu``, :func:`~hpcdp.comm.waiting.complete` calls
     ``Test`` and yields the core between tests; else ``Wait`` spins, as MPI does, yielding
     the core every 1024 tests, or every test where the node has more ranks than cores).
-    A long wait names the ranks that have not arrived, for the stall watchdog.
+    While it waits, ``where["late"]`` is the window's :meth:`NodeWindow.late`, which the stall
+    watchdog calls to name the ranks that have not arrived (whichever way the wait goes).
 
     Waiting calls into MPI now and then (:meth:`NodeWindow.poke`): a rank whose last
     messages are complete on its side may still owe a peer the protocol's answer (MPICH's
@@ -59,10 +60,17 @@ class Round:
 
     def __init__(self, win: "NodeWindow", where: dict | None):
         self.win, self.where = win, where
+        if where is not None:
+            where["late"] = win.late
+
+    def _done(self) -> bool:
+        if self.where is not None:
+            self.where.pop("late", None)
+        return True
 
     def Test(self) -> bool:
         if min(self.win._seq_view) >= self.win.seq:
-            return True
+            return self._done()
         self.win.poke()
         return False
 
@@ -74,8 +82,7 @@ class Round:
                 continue
             self.win.poke()
             sched_yield()
-            if polls & 0xFFFF == 0 and self.where is not None:
-                self.where["late"] = self.win.late()
+        self._done()
 
 
 class NodeWindow:
