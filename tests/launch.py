@@ -27,11 +27,6 @@ def mpirun() -> str:
     return str(cand) if cand.exists() else (shutil.which("mpirun") or "mpirun")
 
 
-def is_open_mpi() -> bool:
-    out = subprocess.run([mpirun(), "--version"], capture_output=True, text=True).stdout
-    return "Open MPI" in out or "OpenRTE" in out
-
-
 def need_open_mpi_venv() -> Path:
     """A venv of pip Open MPI for the tests that run the same job under both MPIs:
     ``$HPCDP_OMPI_VENV``, else the repository's ``.venv-ompi`` (docs/install.md), where it
@@ -50,6 +45,8 @@ def mpi_env(extra=None) -> dict:
     env.setdefault("OMPI_MCA_btl", "^ofi")
     env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    # this venv's MPI first: Intel MPI's mpirun runs mpiexec.hydra from PATH
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.update(extra or {})
     return env
 

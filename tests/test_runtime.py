@@ -162,14 +162,15 @@ def test_runtime_thread_setup_gives_the_callers_torch_and_numba_thread_counts():
 @pytest.mark.parametrize("given", [None, "1"])
 def test_kernel_threads_split_the_cpus_among_the_ranks_that_share_them(given):
     """Two ranks on one node: numba's pool gets the rank's CPUs / 2 (at least 1), set before
-    numba is imported, unless NUMBA_NUM_THREADS is given (empty counts as unset)."""
+    numba is imported, unless NUMBA_NUM_THREADS is given (empty counts as unset). (Intel
+    MPI's mpirun binds each rank to its own cores unless I_MPI_PIN=0: then no CPU is shared.)"""
     code = ("import json, os, hpcdp; hpcdp.init(); import numba; from mpi4py import MPI;"
             "info = hpcdp.info();"
             "rows = MPI.COMM_WORLD.gather([info['kernel_threads'], info['kernel_threads_how'],"
             " numba.config.NUMBA_NUM_THREADS, numba.get_num_threads(), len(os.sched_getaffinity(0)),"
             " info['cpu_share']]);"
             "hpcdp.rank() == 0 and print(json.dumps(rows))")  # one line: the ranks' would interleave
-    p = run_mpi(2, ["-c", code], timeout=90, env={"NUMBA_NUM_THREADS": given or ""})
+    p = run_mpi(2, ["-c", code], timeout=90, env={"NUMBA_NUM_THREADS": given or "", "I_MPI_PIN": "0"})
     assert p.returncode == 0, p.stderr
     rows = [row for line in p.stdout.splitlines() if line.startswith("[[") for row in json.loads(line)]
     assert len(rows) == 2, p.stdout

@@ -6,9 +6,10 @@ rank spinning inside MPI keeps the core from the neighbour it waits for, unless
 the MPI library yields when idle by itself: Open MPI does when it knows the
 node is oversubscribed (its ``mpi_yield_when_idle``, which ``mpirun
 --oversubscribe`` turns on); MPICH's busy wait calls ``sched_yield`` every
-``MPIR_CVAR_POLLS_BEFORE_YIELD`` polls (1000 by default). Where the library does
-not yield (or says nothing), hpcdp tests its requests and calls ``sched_yield``
-between tests.
+``MPIR_CVAR_POLLS_BEFORE_YIELD`` polls (1000 by default); Intel MPI waits without
+polling with ``I_MPI_WAIT_MODE=1`` (unset, it decides for itself and says nothing).
+Where the library does not yield (or says nothing), hpcdp tests its requests and
+calls ``sched_yield`` between tests.
 
 ``HPCDP_WAIT=spin|yield|auto`` (default ``auto``): ``auto`` decides as above
 and :func:`hpcdp.info` reports the decision and why (``wait``, ``wait_how``).
@@ -53,18 +54,19 @@ def drive(MPI, gen, yield_cpu: bool):
         return stop.value
 
 # MPI_T control variables through which a library says that its own busy wait gives the
-# core away, in the order tried; a nonzero value means it does
+# core away, in the order tried; a positive value means it does
 _YIELD_CVARS = (
     "mpi_yield_when_idle",           # Open MPI: on when mpirun knows the node is oversubscribed
-    "MPIR_CVAR_POLLS_BEFORE_YIELD",  # MPICH family: sched_yield every N polls (0: never)
+    "MPIR_CVAR_IMPI_WAIT_MODE",      # Intel MPI's I_MPI_WAIT_MODE (-1 unset: its own choice)
+    "MPIR_CVAR_POLLS_BEFORE_YIELD",  # MPICH: sched_yield every N polls (0: never)
 )
 
 
 def mpi_yields_when_idle(libmpi: str | None) -> tuple[str, int] | None:
-    """``(name, value)`` of the first of Open MPI's ``mpi_yield_when_idle`` and MPICH's
-    ``MPIR_CVAR_POLLS_BEFORE_YIELD`` that the loaded library has, read through the MPI
-    tool interface (:func:`~hpcdp.comm.mpit.first_cvar`); ``None`` where it has neither
-    or MPI_T cannot be used."""
+    """``(name, value)`` of the first of Open MPI's ``mpi_yield_when_idle``, Intel MPI's
+    ``I_MPI_WAIT_MODE`` and MPICH's ``MPIR_CVAR_POLLS_BEFORE_YIELD`` that the loaded
+    library has, read through the MPI tool interface (:func:`~hpcdp.comm.mpit.first_cvar`);
+    ``None`` where it has none of them or MPI_T cannot be used."""
     return first_cvar(libmpi, _YIELD_CVARS)
 
 
@@ -79,6 +81,6 @@ def decide_wait(local_size: int, cores: int, libmpi: str | None) -> tuple[bool, 
         return False, f"{local_size} ranks on this node, {cores} cores: wait inside MPI"
     over = f"{local_size} ranks on this node, {cores} cores (oversubscribed)"
     found = mpi_yields_when_idle(libmpi)
-    if found is not None and found[1] != 0:
+    if found is not None and found[1] > 0:
         return False, f"{over}, and the MPI yields when idle ({found[0]}={found[1]}): wait inside MPI"
     return True, f"{over}: test requests and sched_yield between tests"
