@@ -3,7 +3,7 @@
 # against the MPI library's own MPI_Allreduce, same run, np = 2 and 4 (NPS), for every MPI
 # venv given, ROUNDS rounds (each round runs every MPI and np once, so drift hits all alike).
 #
-#   tools/bench/allreduce.sh [VENV ...]     (default: .venv, plus .venv-ompi if present)
+#   tools/bench/allreduce.sh [VENV ...]     (default: .venv, plus .venv-ompi and .venv-impi if present)
 #   OUT=dir ROUNDS=5 TRIALS=5 NPS="2 4" SIZES=4k,...,256m EXTRA="--algos ring"
 #
 # The cost model's one-node measurements (tools/bench/validate_model.py), each round after
@@ -29,19 +29,25 @@ venvs=("$@")
 if [ ${#venvs[@]} -eq 0 ]; then
   venvs=(.venv)
   [ -x .venv-ompi/bin/python ] && venvs+=(.venv-ompi)
+  [ -x .venv-impi/bin/python ] && venvs+=(.venv-impi)
 fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=^ofi
 # (Open MPI 5 from PyPI: the UCX one-sided component fails its query on every window and
 # says so; the shared-memory one is what a one-node window uses anyway)
 export OMPI_MCA_osc=sm
-mpi_of() { if "$1/bin/mpirun" --version 2>/dev/null | grep -q "Open MPI"; then echo ompi; else echo mpich; fi; }
+# (each venv's bin first on PATH: Intel MPI's mpirun runs mpiexec.hydra from there)
+mpi_of() {
+  case "$(PATH="$1/bin:$PATH" "$1/bin/mpirun" --version 2>/dev/null)" in
+    *"Open MPI"*) echo ompi ;; *Intel*) echo impi ;; *) echo mpich ;;
+  esac
+}
 for v in "${venvs[@]}"; do
   for np in $NPS; do : >"$OUT/allreduce-$(mpi_of "$v")-np$np.jsonl"; done
 done
 for ((round = 1; round <= ROUNDS; round++)); do
   if [ -n "${CALIBRATE:-}" ]; then
     echo "round $round/$ROUNDS: calibrate" >&2
-    "${venvs[0]}/bin/mpirun" -np 2 "${venvs[0]}/bin/python" -m hpcdp.cli.bench calibrate \
+    PATH="${venvs[0]}/bin:$PATH" "${venvs[0]}/bin/mpirun" -np 2 "${venvs[0]}/bin/python" -m hpcdp.cli.bench calibrate \
       --out "$OUT/calibration-round$round.json" >/dev/null
   fi
   for v in "${venvs[@]}"; do
@@ -50,7 +56,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
       flags=()
       [ "$mpi" = ompi ] && flags=(--oversubscribe)
       echo "round $round/$ROUNDS: $mpi np=$np" >&2
-      "$v/bin/mpirun" "${flags[@]}" -np "$np" "$v/bin/python" -m hpcdp.cli.bench allreduce \
+      PATH="$v/bin:$PATH" "$v/bin/mpirun" "${flags[@]}" -np "$np" "$v/bin/python" -m hpcdp.cli.bench allreduce \
         --trials "$TRIALS" --sizes "$SIZES" ${EXTRA:-} |
         ROUND=$round python3 -c 'import json, os, sys
 for line in sys.stdin:

@@ -162,7 +162,7 @@ def _across_nodes(stem: str, compression: str | None = None) -> dict:
 SPECS = {
     "allreduce": {
         "file": "allreduce-rounds.jsonl",
-        "command": "OUT=out/bench ROUNDS=5 tools/bench/allreduce.sh .venv .venv-ompi && "
+        "command": "OUT=out/bench ROUNDS=5 tools/bench/allreduce.sh .venv .venv-ompi .venv-impi && "
                    "cp out/bench/allreduce-rounds.jsonl docs/results/",
         "where": {"bench": "allreduce-rounds"},
         "columns": _ONE_NODE_POINT + [
