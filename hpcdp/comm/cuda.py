@@ -3,9 +3,10 @@
 ``HPCDP_CUDA_AWARE=1`` or ``0`` forces the answer. ``auto`` (the default) asks
 the MPI library that is actually loaded in this process:
 
-1. ``MPIX_Query_cuda_support()`` (Open MPI's and MPICH's extension; MPICH
-   answers at run time from its GPU support, Open MPI from its build and the
-   CUDA library it finds), called through ctypes because mpi4py does not wrap it;
+1. ``MPIX_Query_cuda_support()`` (Open MPI's and MPICH's extension, which Intel
+   MPI has too; MPICH answers at run time from its GPU support, Open MPI from its
+   build and the CUDA library it finds), called through ctypes because mpi4py
+   does not wrap it;
 2. Open MPI without that symbol: ``ompi_info --parsable`` next to the loaded
    library (``mpi_built_with_cuda_support``);
 3. MVAPICH2: ``MV2_USE_CUDA=1`` in the environment.
