@@ -172,6 +172,7 @@ SPECS = {
     },
     "cluster-allreduce": _cluster_64m("cluster-allreduce"),
     "cluster-allreduce-ompi": _cluster_64m("cluster-allreduce-ompi", ".venv-ompi/bin/python"),
+    "cluster-allreduce-impi": _cluster_64m("cluster-allreduce-impi", ".venv-impi/bin/python"),
     "cluster-across": _across_nodes("cluster-across"),
     "cluster-across-fp16": _across_nodes("cluster-across-fp16", "fp16"),
     "cluster-ddp": {
