@@ -287,21 +287,22 @@ class Recorder:
 
     def codec_id(self, name: str) -> int:
         """The id to pass as ``comm(codec=...)`` for compression ``name``."""
-        with self._lock:
-            if name not in self._codecs:
-                if len(self._codecs) == _MAX_CODECS:
-                    raise TraceError(f"{self.path}: more than {_MAX_CODECS} codec names")
-                self._codecs.append(name)
-                self._meta_json, self._meta_dirty = self._encode_meta(), True
-            return self._codecs.index(name)
+        return self._name_id(self._codecs, name, "codec", _MAX_CODECS)
 
     def call_id(self, name: str) -> int:
         """The id to pass as ``call(call=...)`` for the call ``name`` (e.g. ``"allreduce"``)."""
+        return self._name_id(self._calls, name, "call")
+
+    def _name_id(self, names: list, name: str, what: str, most: int | None = None) -> int:
+        """``name``'s index in ``names`` (the metadata's codecs or calls), appended (and the
+        metadata re-encoded) the first time; at most ``most`` names."""
         with self._lock:
-            if name not in self._calls:
-                self._calls.append(name)
+            if name not in names:
+                if len(names) == most:
+                    raise TraceError(f"{self.path}: more than {most} {what} names")
+                names.append(name)
                 self._meta_json, self._meta_dirty = self._encode_meta(), True
-            return self._calls.index(name)
+            return names.index(name)
 
     def add_clock(self, sample: ClockSample) -> None:
         """Store a clock-alignment sample (from :func:`align_clocks`). Readers map
