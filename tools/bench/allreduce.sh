@@ -35,9 +35,11 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl=^o
 # (Open MPI 5 from PyPI: the UCX one-sided component fails its query on every window and
 # says so; the shared-memory one is what a one-node window uses anyway)
 export OMPI_MCA_osc=sm
-# (each venv's bin first on PATH: Intel MPI's mpirun runs mpiexec.hydra from there)
+# mpirun_in VENV ARGS...: that venv's mpirun, its bin first on PATH (Intel MPI's mpirun
+# runs mpiexec.hydra from there)
+mpirun_in() { local v=$1; shift; PATH="$v/bin:$PATH" "$v/bin/mpirun" "$@"; }
 mpi_of() {
-  case "$(PATH="$1/bin:$PATH" "$1/bin/mpirun" --version 2>/dev/null)" in
+  case "$(mpirun_in "$1" --version 2>/dev/null)" in
     *"Open MPI"*) echo ompi ;; *Intel*) echo impi ;; *) echo mpich ;;
   esac
 }
@@ -47,7 +49,7 @@ done
 for ((round = 1; round <= ROUNDS; round++)); do
   if [ -n "${CALIBRATE:-}" ]; then
     echo "round $round/$ROUNDS: calibrate" >&2
-    PATH="${venvs[0]}/bin:$PATH" "${venvs[0]}/bin/mpirun" -np 2 "${venvs[0]}/bin/python" -m hpcdp.cli.bench calibrate \
+    mpirun_in "${venvs[0]}" -np 2 "${venvs[0]}/bin/python" -m hpcdp.cli.bench calibrate \
       --out "$OUT/calibration-round$round.json" >/dev/null
   fi
   for v in "${venvs[@]}"; do
@@ -56,7 +58,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
       flags=()
       [ "$mpi" = ompi ] && flags=(--oversubscribe)
       echo "round $round/$ROUNDS: $mpi np=$np" >&2
-      PATH="$v/bin:$PATH" "$v/bin/mpirun" "${flags[@]}" -np "$np" "$v/bin/python" -m hpcdp.cli.bench allreduce \
+      mpirun_in "$v" "${flags[@]}" -np "$np" "$v/bin/python" -m hpcdp.cli.bench allreduce \
         --trials "$TRIALS" --sizes "$SIZES" ${EXTRA:-} |
         ROUND=$round python3 -c 'import json, os, sys
 for line in sys.stdin:
