@@ -13,7 +13,7 @@ from .collectives import (allreduce, allreduce_async, barrier, broadcast, broadc
                           synchronize)
 from .comm.engine import Handle
 from .errors import (CheckpointError, CommError, Error, MismatchError, ModelMismatchError,
-                     NotInitializedError, ReplicaMismatchError, TraceError,
+                     NotInitializedError, ReplicaMismatchError, TraceError, UnevenInputsError,
                      UnusedParametersError)
 from .objects import allgather_object, broadcast_object, gather_object, scatter_object
 
@@ -26,8 +26,8 @@ __all__ = [
     "allreduce", "allreduce_async", "synchronize", "broadcast", "broadcast_async", "barrier",
     "broadcast_object", "gather_object", "scatter_object", "allgather_object",
     "Handle", "Error", "CommError", "MismatchError", "NotInitializedError", "CheckpointError",
-    "ModelMismatchError", "UnusedParametersError", "ReplicaMismatchError", "TraceError",
-    *_TORCH_NAMES,
+    "ModelMismatchError", "UnusedParametersError", "UnevenInputsError", "ReplicaMismatchError",
+    "TraceError", *_TORCH_NAMES,
 ]
 
 

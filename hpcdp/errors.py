@@ -8,7 +8,8 @@ raised on every rank alike and name the rank, the tensor and what was expected.
 from __future__ import annotations
 
 __all__ = ["Error", "NotInitializedError", "CommError", "MismatchError", "CheckpointError",
-           "ModelMismatchError", "UnusedParametersError", "ReplicaMismatchError", "TraceError"]
+           "ModelMismatchError", "UnusedParametersError", "UnevenInputsError", "ReplicaMismatchError",
+           "TraceError"]
 
 
 class Error(Exception):
@@ -37,6 +38,11 @@ class ModelMismatchError(MismatchError):
 
 class UnusedParametersError(Error, RuntimeError):
     """Some parameters got no gradient in a backward pass and the wrapper was not told to expect it."""
+
+
+class UnevenInputsError(Error, RuntimeError):
+    """Ranks ran out of inputs at different steps inside
+    ``DistributedDataParallel.join(throw_on_early_termination=True)``."""
 
 
 class ReplicaMismatchError(Error, RuntimeError):

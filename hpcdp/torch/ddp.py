@@ -18,6 +18,7 @@ import torch
 
 from .._runtime import init, is_initialized, runtime
 from .functions import broadcast_tensors, check_same_across_ranks, tensor_signature
+from .join import Join
 from .reducer import Reducer
 from .tied import TiedEmbeddings
 from .tracing import open_step_tracer
@@ -90,8 +91,10 @@ class DistributedDataParallel(torch.nn.Module):
                      + [tensor_signature("frozen parameter", n, p) for n, p in frozen]
                      + [tensor_signature("buffer", n, b) for n, b in buffers])
         check_same_across_ranks(rt, signature, _OWNER, "models")
-        broadcast_tensors([p for _, p in named + frozen] + [b for _, b in buffers], root=0)
+        self._replicated = [p for _, p in named + frozen] + [b for _, b in buffers]
+        broadcast_tensors(self._replicated, root=0)
         self._synced_buffers = [b for _, b in buffers]
+        self._join = None  # the active join() context
         self._size = rt.size
         self.reducer = Reducer(named, _OWNER, bucket_cap_mb=bucket_cap_mb,
                                first_bucket_mb=first_bucket_mb, overlap=overlap,
@@ -110,12 +113,18 @@ class DistributedDataParallel(torch.nn.Module):
         if tracer is not None:
             t0 = tracer.forward_begin()
         self.reducer.new_iteration()
-        if self.broadcast_buffers and self._synced_buffers and self._size > 1:
-            broadcast_tensors(self._synced_buffers, root=0)
+        if self._join is None:
+            self._broadcast_buffers(0)
+        elif torch.is_grad_enabled():  # a training step inside join(): a join round first
+            self._broadcast_buffers(self._join.train_round(self._require_sync))
         out = self._run(args, kwargs)
         if tracer is not None:
             tracer.forward_end(t0, out)
         return out
+
+    def _broadcast_buffers(self, root: int) -> None:
+        if self.broadcast_buffers and self._synced_buffers and self._size > 1:
+            broadcast_tensors(self._synced_buffers, root=root)
 
     def _run(self, args, kwargs):
         """The module's forward; split tied embeddings where that applies (training, and no
@@ -151,6 +160,29 @@ class DistributedDataParallel(torch.nn.Module):
             yield
         finally:
             self._require_sync = previous
+
+    def join(self, optimizer=None, throw_on_early_termination: bool = False, enable: bool = True):
+        """A context manager for uneven inputs: ranks may run different numbers of steps.
+
+        ::
+
+            with model.join(optimizer=opt):
+                for x, y in my_batches:      # any number per rank
+                    ...
+
+        Each training forward inside starts with a join round (a one-byte allgather). A
+        rank whose loop ends shadows the others' steps (zero gradients: the average still
+        divides by the world size) until every rank has left its loop; then, if any rank
+        shadowed a step, the lowest of the last ranks to train broadcasts parameters,
+        buffers and ``optimizer``'s state, so every replica leaves identical.
+        ``throw_on_early_termination``: raise :class:`~hpcdp.errors.UnevenInputsError` on
+        every rank as soon as one rank runs out instead. ``enable=False``: a context that
+        does nothing. Refused for compressors that keep per-rank state (1-bit, PowerSGD).
+        See :mod:`hpcdp.torch.join`.
+        """
+        if not enable:
+            return contextlib.nullcontext()
+        return Join(self, optimizer, throw_on_early_termination)
 
     def state_dict(self, *args, **kwargs):
         """The wrapped module's state dict (no ``module.`` prefix)."""

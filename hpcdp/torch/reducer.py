@@ -201,6 +201,7 @@ class Reducer:
         self.guard = DivergenceGuard(owner, self.rt.rank)
         self._tail_len = len(self.params) if find_unused else 1
         self._relaid_out = False
+        self.layout_root = 0  # the rank whose observed gradient order the buckets follow
         self._layout(list(reversed(range(len(self.params)))))
         self._reset()
         for i, p in enumerate(self.params):
@@ -274,11 +275,12 @@ class Reducer:
         return [[self.names[i] for i in b.members] for b in self.buckets]
 
     def _relayout(self, seen: list[int]) -> None:
-        """Once, after the first synchronised iteration: follow rank 0's observed order."""
+        """Once, after the first synchronised iteration: follow the order ``layout_root``
+        (rank 0; inside ``join()`` the step's lowest training rank) observed."""
         self._relaid_out = True
         seen_set = set(seen)
         observed = np.array(seen + [i for i in self.order if i not in seen_set], dtype=np.int64)
-        broadcast(observed, root=0, name=f"{self.owner} gradient order")
+        broadcast(observed, root=self.layout_root, name=f"{self.owner} gradient order")
         order = observed.tolist()
         if order != self.order:
             self._apply_order(order)
@@ -308,6 +310,7 @@ class Reducer:
     def _reset(self) -> None:
         self._active = False      # a backward pass of ours is under way (callback queued)
         self._sync = False        # this pass averages gradients
+        self._shadow = False      # this pass contributes zeros for a rank that has joined
         self._ready = [False] * len(self.params)
         self._seen: list[int] = []
         self._next = 0            # next bucket to launch
@@ -449,7 +452,9 @@ class Reducer:
         self._launched.append(b)
 
     def _fill_tail(self, tail: torch.Tensor) -> None:
-        if self.find_unused:
+        if self._shadow:
+            tail.zero_()  # no parameter present, none missing
+        elif self.find_unused:
             present = [self._ready[i] or self.params[i].grad is not None for i in range(len(self.params))]
             tail.copy_(torch.tensor(present, dtype=tail.dtype))
         else:
@@ -505,6 +510,29 @@ class Reducer:
         self.flush()
         self.finish()
 
+    def shadow(self) -> None:
+        """One synchronised iteration of a rank that has joined (:mod:`hpcdp.torch.join`):
+        every bucket reduced with zeros in this rank's share, then finished as any other
+        iteration (``.grad`` holds the others' average after). Not traced."""
+        self._reset()
+        self._sync = self._shadow = True
+        with torch.no_grad():
+            for b in self.buckets:
+                if b.direct:
+                    p = self.params[b.members[0]]
+                    b.zeros = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                else:
+                    b.flat.zero_()
+                b.pending = 0
+        tracer, self.tracer = self.tracer, None
+        try:
+            self._launch_in_order()
+            if self.tied is not None:
+                self.tied.launch(self.stats)
+            self.finish()
+        finally:
+            self.tracer = tracer
+
     def finish(self) -> None:
         """Wait for every launched bucket (in order) and put the averages in ``.grad``."""
         launched = self._launched
@@ -525,7 +553,7 @@ class Reducer:
         self._account(launched, t0, t1)
         self._guard(launched)
         tail = self.buckets[-1].tail.tolist()
-        missing, seen = self._missing, self._seen
+        missing, seen, shadow = self._missing, self._seen, self._shadow
         self._reset()
         self.stats["iterations"] += 1
         if not self.find_unused and tail[0] > 0:
@@ -534,7 +562,7 @@ class Reducer:
         with torch.no_grad():
             for b in launched:
                 if b.direct:
-                    if b.zeros is not None and present[b.members[0]]:
+                    if b.zeros is not None and (shadow or present[b.members[0]]):
                         self.params[b.members[0]].grad = b.zeros
                     continue
                 for i, view in zip(b.members, b.views):
@@ -548,7 +576,7 @@ class Reducer:
             self.tied.apply()
         if self.momentum is not None:
             self.momentum.exchanged()
-        if seen and not self._relaid_out:
+        if (seen or shadow) and not self._relaid_out:
             self._relayout(seen)
 
     def _account(self, launched, t0: int, t1: int) -> None:

@@ -1,0 +1,214 @@
+"""``DistributedDataParallel.join()``: ranks that run different numbers of steps (np = 1-4).
+
+Every rank computes the reference itself: one process applying, at global step k, the
+average over all N ranks of the gradients of the ranks that still train at k (a joined
+rank's share is zero, the divisor stays N), with the same optimizer.
+"""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import hpcdp  # noqa: E402
+from hpcdp.errors import MismatchError, UnevenInputsError  # noqa: E402
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
+
+TIGHT = dict(rtol=1e-9, atol=1e-12)
+COUNTS = {"uneven": [3, 1, 4, 2], "rank0-without-data": [0, 3, 1, 2], "even": [2, 2, 2, 2]}
+
+
+class _Reversed(torch.nn.Module):
+    """Applies its layers in the reverse of their registration order, so the buckets are
+    laid out again after the first step (broadcast by that step's root)."""
+
+    def __init__(self, dtype=torch.float64):
+        super().__init__()
+        torch.manual_seed(9)
+        self.a = torch.nn.Linear(8, 3)
+        self.b = torch.nn.Linear(8, 8)
+        self.c = torch.nn.Linear(6, 8)
+        self.to(dtype)
+
+    def forward(self, x):
+        return self.a(torch.tanh(self.b(torch.tanh(self.c(x)))))
+
+
+def _batch(rank, step, micro, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randn(5, 6, generator=g, dtype=dtype), torch.randint(0, 3, (5,), generator=g)
+
+
+def _loss(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+
+
+def _reference(counts, size, accumulate, dtype=torch.float64):
+    ref = _Reversed(dtype)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for k in range(max(counts)):
+        opt.zero_grad()
+        loss = sum(_loss(ref, *_batch(r, k, m, dtype)) for r in range(size) if counts[r] > k
+                   for m in range(accumulate))
+        (loss / size).backward()
+        opt.step()
+    return ref
+
+
+def _gather_equal(world, obj):
+    everyone = world.allgather(obj)
+    assert all(o == everyone[0] for o in everyone), everyone
+
+
+def _momentum_digest(opt):
+    return [opt.state[p]["momentum_buffer"].double().sum().item() for g in opt.param_groups
+            for p in g["params"] if p in opt.state]
+
+
+def _train(ddp, opt, steps, rank, accumulate, dtype=torch.float64):
+    for k in range(steps):
+        opt.zero_grad()
+        for m in range(accumulate):
+            if m < accumulate - 1:
+                with ddp.no_sync():
+                    _loss(ddp, *_batch(rank, k, m, dtype)).backward()
+            else:
+                _loss(ddp, *_batch(rank, k, m, dtype)).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("pattern", sorted(COUNTS))
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["step", "no_sync-accumulation"])
+def test_uneven_steps_equal_one_process_with_zero_shares(world, pattern, accumulate):
+    """Replicas, parameters and momentum leave the context identical on every rank and equal
+    to the reference; the rank that trained longest is the source; training goes on."""
+    rank, size = world.Get_rank(), world.Get_size()
+    counts = COUNTS[pattern][:size]
+    model = _Reversed()
+    ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=0.0001, bucket_cap_mb=0.0004)
+    assert ["b.weight"] in ddp.bucket_layout()  # one bucket is reduced in place in .grad
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    with ddp.join(optimizer=opt) as joined:
+        _train(ddp, opt, counts[rank], rank, accumulate)
+    ref = _reference(counts, size, accumulate)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p, q, **TIGHT), f"rank {rank}: {name}: max diff {(p - q).abs().max()}"
+    _gather_equal(world, hpcdp.check_replicas(model))
+    _gather_equal(world, _momentum_digest(opt))
+    assert joined.shadowed == accumulate * (max(counts) - counts[rank])
+    uneven = min(counts) != max(counts)
+    assert joined.last_rank == (counts.index(max(counts)) if uneven else None)
+    if max(counts):
+        flat = [n for bucket in ddp.bucket_layout() for n in bucket]
+        assert flat.index("a.weight") < flat.index("c.weight")  # the root's observed order
+    _train(ddp, opt, 1, rank, 1)  # after the context: ordinary steps, replicas still agree
+    _gather_equal(world, hpcdp.check_replicas(model))
+
+
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_find_unused_and_half_precision_under_join(world, compression):
+    """A joined rank's zero share marks no parameter present; fp16 zeros are exact."""
+    rank, size = world.Get_rank(), world.Get_size()
+    counts = COUNTS["uneven"][:size]
+    model = _Reversed(torch.float32)
+    ddp = hpcdp.DistributedDataParallel(model, find_unused_parameters=True, compression=compression,
+                                        first_bucket_mb=0.0001, bucket_cap_mb=0.0004)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    with ddp.join(optimizer=opt):
+        _train(ddp, opt, counts[rank], rank, 1, torch.float32)
+    ref = _reference(counts, size, 1, torch.float32)
+    tol = dict(rtol=1e-5, atol=1e-6) if compression is None else dict(rtol=0, atol=3e-3)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p, q, **tol), f"rank {rank}: {name}: max diff {(p - q).abs().max()}"
+    _gather_equal(world, hpcdp.check_replicas(model))
+
+
+def test_buffers_tied_embedding_and_evaluation_inside_join(world):
+    """BatchNorm buffers follow each step's lowest training rank, a split tied embedding's
+    rows are shadowed empty, and forwards without autograd (evaluation, on some ranks
+    only) take no part in the rounds; every replica leaves with the same parameters and
+    buffers."""
+    rank, size = world.Get_rank(), world.Get_size()
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.embed = torch.nn.Embedding(11, 6)
+            self.norm = torch.nn.BatchNorm1d(6)
+            self.out = torch.nn.Linear(6, 11, bias=False)
+            self.out.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.out(self.norm(self.embed(ids)))
+
+    model = TinyLM()
+    ddp = hpcdp.DistributedDataParallel(model)
+    assert ddp._tied  # the tied weight is split
+    opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    g = torch.Generator().manual_seed(rank)
+    with ddp.join(optimizer=opt) as joined:
+        for step in range([2, 5, 0, 3][rank % 4]):
+            ids = torch.randint(0, 11, (7,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(ids), ids).backward()
+            opt.step()
+            sched.step()
+            if rank % 2 == 0:
+                with torch.no_grad():
+                    ddp.eval()
+                    ddp(ids)
+                    ddp.train()
+    if joined.last_rank is not None:  # as docs/ddp.md says for per-batch schedulers
+        sched.load_state_dict(hpcdp.broadcast_object(sched.state_dict(), joined.last_rank))
+    _gather_equal(world, hpcdp.check_replicas(model))
+    _gather_equal(world, [opt.state[p]["step"].item() for p in model.parameters() if p in opt.state])
+    _gather_equal(world, (sched.last_epoch, sched.get_last_lr()))
+    assert sched.last_epoch == max([2, 5, 0, 3][:size])
+    if size > 1:
+        assert joined.last_rank == 1
+
+
+def test_throw_on_early_termination_raises_on_every_rank(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    ddp = hpcdp.DistributedDataParallel(_Reversed())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    counts = [3, 1, 4, 2][:size]
+    if size == 1:
+        with ddp.join(throw_on_early_termination=True):
+            _train(ddp, opt, counts[rank], rank, 1)
+        return
+    with pytest.raises(UnevenInputsError) as err:
+        with ddp.join(throw_on_early_termination=True):
+            _train(ddp, opt, counts[rank], rank, 1)
+    msg = str(err.value)
+    assert msg.startswith(f"rank {rank}: hpcdp.DistributedDataParallel.join(): ranks 1 ran out")
+    assert "throw_on_early_termination=True" in msg
+    _gather_equal(world, hpcdp.check_replicas(ddp.module))  # one step each, the same one
+    t = torch.ones(3)
+    hpcdp.allreduce(t)  # nothing left pending
+    assert torch.equal(t, torch.full((3,), float(size)))
+
+
+def test_ranks_that_disagree_on_no_sync_are_named(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    ddp = hpcdp.DistributedDataParallel(_Reversed())
+    with pytest.raises(MismatchError) as err:
+        with ddp.join():
+            with ddp.no_sync() if rank == 0 else ddp.join(enable=False):
+                _loss(ddp, *_batch(rank, 0, 0)).backward()
+    others = "1" if size == 2 else f"1-{size - 1}"
+    assert (f"rank {rank}: hpcdp.DistributedDataParallel.join(): ranks {others} average gradients "
+            "in this step while ranks 0 are inside no_sync()") in str(err.value)
+
+
+@pytest.mark.parametrize("compression", ["onebit", "powersgd"])
+def test_compressors_with_per_rank_state_are_refused(world, compression):
+    ddp = hpcdp.DistributedDataParallel(_Reversed(torch.float32), compression=compression)
+    with pytest.raises(NotImplementedError, match=rf"rank {world.Get_rank()}: .*join\(\): "
+                                                  rf"'{compression}' keeps per-rank state"):
+        ddp.join()
+    with ddp.join(enable=False):
+        pass
