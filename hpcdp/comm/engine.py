@@ -378,11 +378,13 @@ class Engine:
         queued = [q.name for q in list(self._queue)]
         more = f"; {len(queued)} more queued: {', '.join(queued[:6])}{' ...' if len(queued) > 6 else ''}" \
             if queued else ""
-        missing = (f"rank {peer} is missing or stuck (did it die, or call a different collective?)"
-                   if peer is not None else
-                   f"one or more of ranks {rank_ranges(others)} did not join (did one die?)")
+        missing = (f"rank {peer} is missing or stuck (did it die, run out of batches, or call a "
+                   "different collective?)" if peer is not None else
+                   f"one or more of ranks {rank_ranges(others)} did not arrive (did one die, or run "
+                   "out of batches?)")
         return (f"rank {rank}/{size}: no progress for {idle:.1f} s in {h.name} (#{h.seq}), {stage}, "
-                f"{waiting}{more}. {missing}. Aborting the job ({source}={timeout:g}).")
+                f"{waiting}{more}. {missing}. Ranks with different numbers of batches: see "
+                f"DistributedDataParallel.join(). Aborting the job ({source}={timeout:g}).")
 
     def close(self):
         with self._cv:

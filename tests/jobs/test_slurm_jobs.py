@@ -400,7 +400,9 @@ def check_stall_message(out: str) -> None:
     assert re.match(r"rank 0/2: no progress for (\d+\.\d) s in allreduce\(bucket0\) \(#\d+\), "
                     r"(scatter-reduce|doubling: reduce|halving: reduce) step 0, waiting for a message "
                     r"from rank 1\. rank 1 is missing or "
-                    r"stuck \(did it die, or call a different collective\?\)\. Aborting the job "
+                    r"stuck \(did it die, run out of batches, or call a different collective\?\)\. "
+                    r"Ranks with different numbers of batches: see DistributedDataParallel\.join\(\)\. "
+                    r"Aborting the job "
                     r"\(HPCDP_STALL_TIMEOUT=5\)\.$", m[1]), m[1]
     assert float(re.search(r"no progress for ([\d.]+) s", m[1])[1]) >= 5, m[1]
 
