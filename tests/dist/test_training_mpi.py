@@ -64,3 +64,33 @@ def test_fsdp2_equals_one_process(pg):
     _train(ref, batches)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
+
+
+def test_ddp_join_with_uneven_inputs(pg):
+    """torch's own ``model.join()`` over hpcdp: rank r runs 2 + 2r steps of 8 samples (its
+    shadowing allreduces, the buffers from the authoritative rank, the final model from
+    the last joiner); step k of a one-process reference averages the gradients of the
+    ranks still training, divided by the world size (torch's default)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    counts = [2 + 2 * r for r in range(size)]
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    batches = _batches(max(counts), 8, size)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.join():
+        for x, y in batches[:counts[rank]]:
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x[rank * 8:(rank + 1) * 8]), y[rank * 8:(rank + 1) * 8]).backward()
+            opt.step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for k, (x, y) in enumerate(batches):
+        ref_opt.zero_grad()
+        sum(nn.functional.cross_entropy(ref(x[r * 8:(r + 1) * 8]), y[r * 8:(r + 1) * 8]) / size
+            for r in range(size) if counts[r] > k).backward()
+        ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")
+    everyone = [None] * size
+    dist.all_gather_object(everyone, [p.detach().numpy().tobytes() for p in model.parameters()])
+    assert all(e == everyone[0] for e in everyone), f"rank {rank}: replicas differ"
