@@ -15,6 +15,7 @@ A variant is ``(mode, bucket MiB or None, compression or None, algo or None)``:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -221,6 +222,12 @@ class Runner:
         if adam:
             return torch.optim.Adam(self.net.parameters(), lr=args.lr)
         return torch.optim.SGD(self.net.parameters(), lr=args.lr, momentum=args.momentum)
+
+    def join_context(self, enabled: bool):
+        """The DDP wrapper's ``join()`` (hpcdp's or torch's) when ``enabled``, else nothing."""
+        if enabled and (self.ddp is not None or self.mode in TORCH_DDP_MODES):
+            return self.net.join()
+        return contextlib.nullcontext()
 
     def _stamp(self, _param) -> None:
         self.last_grad_t = time.perf_counter()

@@ -27,7 +27,10 @@ Modes (``--modes``, default ``hpcdp,ddp,local``):
 entry and ddp (and ddp-hpcdp) once per entry torch has a hook for (fp16 and bf16:
 ``fp16_compress_hook``/``bf16_compress_hook``; ``powersgd:R``: ``powerSGD_hook``
 with ``matrix_approximation_rank=R``, from its second step as hpcdp's);
-``--fp16-allreduce`` is Horovod's spelling of ``--compression fp16``. onebit
+``--fp16-allreduce`` is Horovod's spelling of ``--compression fp16``. ``--join``:
+every timed iteration (and the warm-up) runs inside the DDP wrappers' ``join()``
+(hpcdp's and torch's; inputs stay even), to measure what handling uneven inputs costs
+per step. onebit
 uses the compressed-momentum optimizer (:class:`hpcdp.optim.OneBitSGD`) with
 one exact warm-up step. The iterations interleave the modes (one iteration
 of each per round, every other round in reverse order), so drift on a shared
@@ -94,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (Horovod: 0)")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="hpcdp bucket size (MiB)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--join", action="store_true",
+                    help="run the steps inside the DDP wrappers' join() (uneven-input handling)")
     return ap
 
 
@@ -140,7 +145,8 @@ class _Bench:
         engine = self.rt.engine
         self.ctl.Barrier()
         t0, cpu0, progress0 = time.perf_counter(), time.process_time(), engine.thread_cpu_ns
-        exposed = [r.step(x, y, 1.0) for _ in range(n)]
+        with r.join_context(self.args.join):
+            exposed = [r.step(x, y, 1.0) for _ in range(n)]
         if record:
             r.times.append(time.perf_counter() - t0)
             r.cpu.append((time.process_time() - cpu0) / n)
@@ -205,7 +211,7 @@ def _record(bench, r, runners, after) -> dict:
            "batch_size": a.batch_size, "num_iters": a.num_iters,
            "num_batches_per_iter": a.num_batches_per_iter, "num_warmup_batches": a.num_warmup_batches,
            "device": a.device, "threads": a.threads, "mpi": bench.rt.vendor, "lr": bench.optimizer.lr,
-           "momentum": a.momentum}
+           "momentum": a.momentum, "join": a.join}
     rec["seq_len" if bench.lm else "image_size"] = a.seq_len if bench.lm else a.image_size
     if r.bucket_mb is not None:
         rec["bucket_cap_mb"] = r.bucket_mb
@@ -225,6 +231,8 @@ def _check(args):
         return f"--modes takes names from {', '.join(_MODES)}, got {args.modes!r}"
     if isinstance(comps, str):
         return comps
+    if args.join and any(c is not None and c.split(":")[0] in ("onebit", "powersgd") for c in comps):
+        return "--join takes no onebit or powersgd: their per-rank state cannot shadow a step"
     if min(args.batch_size, args.num_batches_per_iter, args.num_iters) < 1 or args.num_warmup_batches < 0:
         return "--batch-size, --num-batches-per-iter and --num-iters must be >= 1, warm-up >= 0"
     return modes, comps

@@ -63,6 +63,7 @@ def test_resnet_modes_print_horovods_lines_and_a_record_each():
         assert (r["model"], r["np"], r["unit"], r["image_size"], r["batch_size"]) == (
             "resnet18", 2, "img/s", 32, 4)
         assert r["lr"] == pytest.approx(0.02) and r["momentum"] == 0  # Horovod's: 0.01 x ranks
+        assert r["join"] is False
         assert r["throughput"] == pytest.approx(2 * r["per_rank"]) and r["throughput"] > 0
         check_horovod_block(blocks[r["mode"]], "Img", "CPU", 2, 3, r["per_rank"])
         assert set(r["ratio_to"]) == {m for m in by if m != r["mode"]}
@@ -111,13 +112,13 @@ def test_gpt2_compressions_pair_with_torchs_hooks():
 
 
 @pytest.mark.timeout(120)
-def test_one_rank_and_horovods_fp16_flag():
+def test_one_rank_and_horovods_fp16_flag_inside_join():
     p = synthetic(1, "--model", "resnet18", "--image-size", "32", "--batch-size", "2",
                   "--num-warmup-batches", "1", "--num-batches-per-iter", "1", "--num-iters", "2",
-                  "--fp16-allreduce", "--modes", "hpcdp,local")
+                  "--fp16-allreduce", "--modes", "hpcdp,ddp,local", "--join")
     blocks, recs = parse(p)
-    assert [(r["mode"], r["compression"], r["np"]) for r in recs] == [("hpcdp", "fp16", 1),
-                                                                      ("local", None, 1)]
+    assert [(r["mode"], r["compression"], r["np"], r["join"]) for r in recs] == [
+        ("hpcdp", "fp16", 1, True), ("ddp", "fp16", 1, True), ("local", None, 1, True)]
     assert recs[0]["bytes_sent_per_step"] == 0  # one rank: nothing to send
 
 
@@ -127,6 +128,7 @@ def test_one_rank_and_horovods_fp16_flag():
     (["--modes", "hpcdp,naive"], "--modes takes names from"),
     (["--compression", "zip"], "--compression"),
     (["--model", "gpt2-mini", "--seq-len", "4096"], "4096"),
+    (["--join", "--compression", "none,powersgd:2"], "--join takes no onebit or powersgd"),
 ])
 def test_bad_arguments_exit_2_with_the_reason(args, message):
     p = synthetic(2, *args, "--batch-size", "1", "--num-iters", "1", "--num-warmup-batches", "0",

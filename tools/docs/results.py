@@ -88,6 +88,12 @@ _SYNTHETIC = ("(M='--modes hpcdp,ddp,ddp-hpcdp,local'; "
               "mpirun -np 2 hpcdp-bench synthetic --model gpt2-mini --batch-size 4 --seq-len 128 "
               "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10 $M) "
               "| grep '^{' > docs/results/synthetic.jsonl")
+_SYNTHETIC_JOIN = ("(M='--modes hpcdp,ddp,ddp-hpcdp,local'; for J in '' --join; do "
+                   "mpirun -np 2 hpcdp-bench synthetic --model resnet50 --image-size 64 --batch-size 32 "
+                   "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10 $M $J; "
+                   "mpirun -np 2 hpcdp-bench synthetic --model gpt2-mini --batch-size 4 --seq-len 128 "
+                   "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10 $M $J; done) "
+                   "| grep '^{' > docs/results/synthetic-join.jsonl")
 _CLUSTER_SYNTHETIC = ("R='python tools/cluster/bench_train.py --bench synthetic --rates 2gbit "
                       "--out docs/results/cluster-synthetic.jsonl --'; "
                       "for b in 16 4 2; do $R --model resnet50 --image-size 64 --batch-size $b "
@@ -257,6 +263,16 @@ SPECS = {
         "command": _SYNTHETIC,
         "where": {"bench": "synthetic"},
         "columns": _SYNTHETIC_COLUMNS,
+    },
+    "synthetic-join": {
+        "file": "synthetic-join.jsonl",
+        "command": _SYNTHETIC_JOIN,
+        "where": {"bench": "synthetic"},
+        "columns": [("model", "model", "str"), ("mode", "mode", "str"), ("join()", "join", "bool"),
+                    ("ranks", "np", "int"), ("throughput", "throughput", "num1"),
+                    ("+-", "throughput_conf", "num1"), ("unit", "unit", "str"),
+                    ("/ ddp", "ratio_to_ddp", "ratio"), ("scaling eff.", "scaling_efficiency", "ratio"),
+                    ("exposed comm (ms)", "exposed_comm_s", "ms"), ("CPU per step (ms)", "cpu_s_per_step", "ms")],
     },
     "backend-allreduce": {
         "file": "backend-allreduce.jsonl",
