@@ -64,15 +64,16 @@ def _momentum_digest(opt):
             for p in g["params"] if p in opt.state]
 
 
-def _train(ddp, opt, steps, rank, accumulate, dtype=torch.float64):
+def _train(ddp, opt, steps, rank, accumulate, dtype=torch.float64, device="cpu"):
     for k in range(steps):
         opt.zero_grad()
         for m in range(accumulate):
+            x, y = (t.to(device) for t in _batch(rank, k, m, dtype))
             if m < accumulate - 1:
                 with ddp.no_sync():
-                    _loss(ddp, *_batch(rank, k, m, dtype)).backward()
+                    _loss(ddp, x, y).backward()
             else:
-                _loss(ddp, *_batch(rank, k, m, dtype)).backward()
+                _loss(ddp, x, y).backward()
         opt.step()
 
 
@@ -101,6 +102,26 @@ def test_uneven_steps_equal_one_process_with_zero_shares(world, pattern, accumul
         flat = [n for bucket in ddp.bucket_layout() for n in bucket]
         assert flat.index("a.weight") < flat.index("c.weight")  # the root's observed order
     _train(ddp, opt, 1, rank, 1)  # after the context: ordinary steps, replicas still agree
+    _gather_equal(world, hpcdp.check_replicas(model))
+
+
+@pytest.mark.gpu
+def test_uneven_steps_on_cuda(world):
+    """The same on this rank's GPU (skipped without CUDA): shadowed buckets are zeroed on
+    the device, the final state is broadcast from device memory."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available in this process (no GPU or CPU-only torch build)")
+    rank, size = world.Get_rank(), world.Get_size()
+    counts = COUNTS["rank0-without-data"][:size]
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = _Reversed().to(device)
+    ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=0.0001, bucket_cap_mb=0.0004)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    with ddp.join(optimizer=opt):
+        _train(ddp, opt, counts[rank], rank, 1, device=device)
+    ref = _reference(counts, size, 1)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.cpu(), q, rtol=1e-7, atol=1e-9), f"rank {rank}: {name}"
     _gather_equal(world, hpcdp.check_replicas(model))
 
 
