@@ -94,7 +94,6 @@ class DistributedDataParallel(torch.nn.Module):
         self._replicated = [p for _, p in named + frozen] + [b for _, b in buffers]
         broadcast_tensors(self._replicated, root=0)
         self._synced_buffers = [b for _, b in buffers]
-        self._join = None  # the active join() context
         self._size = rt.size
         self.reducer = Reducer(named, _OWNER, bucket_cap_mb=bucket_cap_mb,
                                first_bucket_mb=first_bucket_mb, overlap=overlap,
@@ -113,10 +112,11 @@ class DistributedDataParallel(torch.nn.Module):
         if tracer is not None:
             t0 = tracer.forward_begin()
         self.reducer.new_iteration()
-        if self._join is None:
+        join = self.reducer.join
+        if join is None:
             self._broadcast_buffers(0)
         elif torch.is_grad_enabled():  # a training step inside join(): a join round first
-            self._broadcast_buffers(self._join.train_round(self._require_sync))
+            self._broadcast_buffers(join.train_round(self._require_sync))
         out = self._run(args, kwargs)
         if tracer is not None:
             tracer.forward_end(t0, out)
@@ -182,7 +182,8 @@ class DistributedDataParallel(torch.nn.Module):
         """
         if not enable:
             return contextlib.nullcontext()
-        return Join(self, optimizer, throw_on_early_termination)
+        return Join(self.reducer, self._replicated, optimizer, throw_on_early_termination,
+                    broadcast_buffers=self._broadcast_buffers, tied=self._tied or None)
 
     def state_dict(self, *args, **kwargs):
         """The wrapped module's state dict (no ``module.`` prefix)."""

@@ -2,13 +2,16 @@
 
 Without it, a rank that runs out of batches leaves the others waiting in their next
 gradient allreduce until the stall watchdog aborts the job. Inside the context
-(:meth:`hpcdp.DistributedDataParallel.join`):
+(:meth:`hpcdp.DistributedDataParallel.join`, or ``join()`` of a
+:func:`hpcdp.DistributedOptimizer`):
 
 1. Every training forward (autograd on) starts with a join round: an allgather of one
    byte per rank saying whether it still trains and whether this step averages
    gradients (not inside ``no_sync``). The lowest training rank is the step's root: it
    broadcasts the buffers (rank 0's role outside the context) and, after the first step,
-   the gradient order the buckets are laid out in.
+   the gradient order the buckets are laid out in. (``DistributedOptimizer`` sees no
+   forward: its round starts each backward pass that averages, and ``step()`` after
+   fewer passes.)
 2. A rank whose loop ends enters the context's exit and shadows the others' steps: in
    every round that still has a training rank it receives the buffers and, in steps
    that average, runs every bucket's allreduce with zeros (a zero control tail, no
@@ -39,33 +42,43 @@ from .functions import broadcast_optimizer_state, broadcast_tensors
 
 __all__ = ["Join"]
 
-_TRAINS, _SYNCS = 1, 2  # one byte per rank in a join round
+_TRAINS, _SYNCS, _BACKWARD = 1, 2, 4  # one byte per rank in a join round
 
 
 class Join:
-    """The context manager :meth:`hpcdp.DistributedDataParallel.join` returns (see the
-    module docstring). After it, ``shadowed`` is the number of steps this rank shadowed
-    and ``last_rank`` the rank whose parameters every rank now holds (None when no rank
-    shadowed a step, so none were sent)."""
+    """The context manager the wrappers' ``join()`` returns (see the module docstring).
 
-    def __init__(self, ddp, optimizer=None, throw_on_early_termination: bool = False):
-        self.ddp = ddp
+    ``reducer``: the wrapper's buckets (``reducer.join`` holds the active context);
+    ``replicated``: the tensors made identical at the end (parameters, buffers);
+    ``broadcast_buffers(root)`` and ``tied`` (DDP's): what a shadowed step receives
+    besides the buckets; ``in_backward``: the reducer starts the training rounds (no
+    forward to start them). After the context, ``shadowed`` is the number of steps this
+    rank shadowed and ``last_rank`` the rank whose state every rank now holds (None when
+    no rank shadowed a step, so none was sent)."""
+
+    def __init__(self, reducer, replicated, optimizer=None, throw_on_early_termination: bool = False,
+                 broadcast_buffers=None, tied=None, in_backward: bool = False):
+        self.reducer = reducer
+        self.in_backward = in_backward
+        self.replicated = replicated
         self.optimizer = optimizer
         self.throw = throw_on_early_termination
+        self.broadcast_buffers = broadcast_buffers
+        self.tied = tied
         self.shadowed = 0
         self.last_rank = None
         self._last_root = None
         self._uneven = False
         self._refuse_stateful_codecs()
-        rt = ddp.reducer.rt
+        rt = reducer.rt
         self._mine = np.zeros(1, dtype=np.uint8)
         self._flags = np.zeros(rt.size, dtype=np.uint8)
-        self._common = bytes([_TRAINS | _SYNCS]) * rt.size
-        self._name = f"{ddp.reducer.owner}.join round"
+        self._common = bytes([_TRAINS | _SYNCS | _BACKWARD]) * rt.size
+        self._name = f"{reducer.owner}.join round"
         self._allgather = lambda: rt.comm.Allgather(self._mine, self._flags)
 
     def _refuse_stateful_codecs(self) -> None:
-        reducer = self.ddp.reducer
+        reducer = self.reducer
         if reducer.momentum is not None:
             name = type(reducer.momentum).__name__
         elif reducer.compressor is None or isinstance(reducer.compressor, RingCompressor):
@@ -80,10 +93,10 @@ class Join:
 
     # -- the context -------------------------------------------------------------------
     def __enter__(self):
-        if self.ddp._join is not None:
-            raise RuntimeError(f"rank {self.ddp.reducer.rt.rank}: {self.ddp.reducer.owner}.join() "
+        if self.reducer.join is not None:
+            raise RuntimeError(f"rank {self.reducer.rt.rank}: {self.reducer.owner}.join() "
                                "is already active; join contexts do not nest")
-        self.ddp._join = self
+        self.reducer.join = self
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -91,67 +104,75 @@ class Join:
             if exc_type is None:
                 self._shadow_until_all_joined()
         finally:
-            self.ddp._join = None
-            self.ddp.reducer.layout_root = 0
+            self.reducer.join = None
+            self.reducer.layout_root = 0
         return False
 
     # -- rounds --------------------------------------------------------------------------
-    def train_round(self, sync: bool) -> int:
-        """A training rank's round, at the start of its forward: the step's root."""
-        root, _ = self._round(_TRAINS | (_SYNCS if sync else 0))
-        return root
+    def train_round(self, sync: bool, backward: bool = True) -> int:
+        """A training rank's round, before its step (``sync``: it averages gradients, after a
+        backward pass or else in ``step()``): the step's root."""
+        mine = _TRAINS
+        if sync:
+            mine |= _SYNCS | (_BACKWARD if backward else 0)
+        return self._round(mine)[0]
 
     def _round(self, mine: int):
         """Allgather every rank's byte; return (lowest training rank or None, whether the
-        step averages gradients), after the checks every rank makes alike."""
-        reducer = self.ddp.reducer
+        step averages gradients, whether after a backward pass), after the checks every
+        rank makes alike."""
+        reducer = self.reducer
         rt = reducer.rt
         self._mine[0] = mine
         rt.engine.run(self._allgather, self._name, None, {"phase": "join round (MPI_Allgather)"})
         flags = self._flags
         if flags.tobytes() == self._common:  # every rank trains and averages: rank 0 leads
-            root, sync = 0, True
+            root, mode = 0, _SYNCS | _BACKWARD
         else:
-            root, sync = self._read(flags)
+            root, mode = self._read(flags)
             if root is None:
-                return None, False
+                return None, False, False
         self._last_root = reducer.layout_root = root
-        return root, sync
+        return root, bool(mode & _SYNCS), bool(mode & _BACKWARD)
 
     def _read(self, flags):
-        rank, owner = self.ddp.reducer.rt.rank, self.ddp.reducer.owner
+        rank, owner = self.reducer.rt.rank, self.reducer.owner
         training = np.flatnonzero(flags & _TRAINS)
         if len(training) == 0:
-            return None, False
+            return None, 0
         joined = np.flatnonzero((flags & _TRAINS) == 0)
-        syncing = flags[training] & _SYNCS
-        if syncing.min() != syncing.max():
-            raise MismatchError(
-                f"rank {rank}: {owner}.join(): ranks {_ranks(training[syncing > 0])} average "
-                f"gradients in this step while ranks {_ranks(training[syncing == 0])} are inside "
-                "no_sync(); every training rank must accumulate and synchronise in the same steps")
+        for bit, does, other in ((_SYNCS, "average gradients in this step", "are inside no_sync()"),
+                                 (_BACKWARD, "average after a backward pass", "call step() after "
+                                  "fewer passes than backward_passes_per_step")):
+            has = flags[training] & bit
+            if has.min() != has.max():
+                raise MismatchError(
+                    f"rank {rank}: {owner}.join(): ranks {_ranks(training[has > 0])} {does} while "
+                    f"ranks {_ranks(training[has == 0])} {other}; every training rank must "
+                    "accumulate and synchronise in the same steps")
         if len(joined):
             if self.throw:
                 raise UnevenInputsError(
                     f"rank {rank}: {owner}.join(): ranks {_ranks(joined)} ran out of inputs while "
                     f"ranks {_ranks(training)} still train (throw_on_early_termination=True)")
             self._uneven = True
-        return int(training[0]), bool(syncing[0])
+        return int(training[0]), int(flags[training[0]])
 
     def _shadow_until_all_joined(self) -> None:
-        ddp, reducer = self.ddp, self.ddp.reducer
+        reducer = self.reducer
         while True:
-            root, sync = self._round(0)
+            root, sync, backward = self._round(0)
             if root is None:
                 break
-            ddp._broadcast_buffers(root)
+            if self.broadcast_buffers is not None:
+                self.broadcast_buffers(root)
             if sync:
-                reducer.tied = ddp._tied or None
-                reducer.shadow()
+                reducer.tied = self.tied
+                reducer.shadow(backward)
             self.shadowed += 1
         if self._uneven:
             self.last_rank = self._last_root
-            broadcast_tensors(ddp._replicated, root=self.last_rank)
+            broadcast_tensors(self.replicated, root=self.last_rank)
             if self.optimizer is not None:
                 broadcast_optimizer_state(self.optimizer, root=self.last_rank)
 

@@ -22,6 +22,7 @@ import torch
 
 from .._runtime import init, is_initialized, runtime
 from .functions import check_same_across_ranks, tensor_signature
+from .join import Join
 from .reducer import Reducer
 from .tracing import open_step_tracer
 
@@ -77,6 +78,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif 0 < self._hpcdp_passes < self._hpcdp_passes_per_step:
             reducer.reduce_now()
         self._hpcdp_passes = 0
+
+    def join(self, throw_on_early_termination: bool = False, enable: bool = True):
+        """A context manager for uneven inputs (Horovod's ``hvd.join()``): ranks may run
+        different numbers of steps.
+
+        ::
+
+            with opt.join():
+                for x, y in my_batches:      # any number per rank
+                    ...
+
+        Each backward pass that averages (and a ``step()`` after fewer passes) starts
+        with a join round; a rank whose loop ends shadows the others' steps with zero
+        gradients (the average still divides by the world size); at the end the lowest of
+        the last ranks to train broadcasts the parameters and this optimizer's state. See
+        :meth:`hpcdp.DistributedDataParallel.join` and :mod:`hpcdp.torch.join`.
+        """
+        if not enable:
+            return contextlib.nullcontext()
+        params = [p for group in self.param_groups for p in group["params"]]
+        return Join(self._hpcdp_reducer, params, self, throw_on_early_termination, in_backward=True)
 
     @contextlib.contextmanager
     def skip_synchronize(self):

@@ -202,6 +202,7 @@ class Reducer:
         self._tail_len = len(self.params) if find_unused else 1
         self._relaid_out = False
         self.layout_root = 0  # the rank whose observed gradient order the buckets follow
+        self.join = None      # the owner's active join() context (hpcdp.torch.join)
         self._layout(list(reversed(range(len(self.params)))))
         self._reset()
         for i, p in enumerate(self.params):
@@ -311,6 +312,7 @@ class Reducer:
         self._active = False      # a backward pass of ours is under way (callback queued)
         self._sync = False        # this pass averages gradients
         self._shadow = False      # this pass contributes zeros for a rank that has joined
+        self._backward = False    # this synchronised pass is a backward pass (not reduce_now)
         self._ready = [False] * len(self.params)
         self._seen: list[int] = []
         self._next = 0            # next bucket to launch
@@ -384,12 +386,20 @@ class Reducer:
         m = self.momentum
         # compressed momentum without overlap is exchanged in step(): accumulate until then
         sync = bool(self.should_sync()) and (m is None or m.overlap or not m.compressing)
+        if sync:
+            self._join_round(backward=True)
         self._reset()
         self._active = True
-        self._sync = sync
+        self._sync = self._backward = sync
         if self.tracer is not None:
             self.tracer.backward_begin()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _join_round(self, backward: bool) -> None:
+        """Before a synchronised pass inside a ``join()`` whose owner has no forward: the
+        training rank's round (:mod:`hpcdp.torch.join`)."""
+        if self.join is not None and self.join.in_backward:
+            self.join.train_round(True, backward)
 
     def _adopt(self, i, p, b) -> None:
         view = b.views[self.slot_of[i]]
@@ -497,6 +507,7 @@ class Reducer:
     def reduce_now(self) -> None:
         """Average the current ``.grad`` of every parameter now (outside backward);
         parameters whose ``.grad`` is None count as not used on this rank."""
+        self._join_round(backward=False)
         self._reset()
         self._sync = True
         with torch.no_grad():
@@ -510,12 +521,14 @@ class Reducer:
         self.flush()
         self.finish()
 
-    def shadow(self) -> None:
+    def shadow(self, backward: bool) -> None:
         """One synchronised iteration of a rank that has joined (:mod:`hpcdp.torch.join`):
         every bucket reduced with zeros in this rank's share, then finished as any other
-        iteration (``.grad`` holds the others' average after). Not traced."""
+        iteration (``.grad`` holds the others' average after), as a backward pass of theirs
+        (``backward``) or a :meth:`reduce_now`. Not traced."""
         self._reset()
         self._sync = self._shadow = True
+        self._backward = backward
         with torch.no_grad():
             for b in self.buckets:
                 if b.direct:
@@ -553,7 +566,7 @@ class Reducer:
         self._account(launched, t0, t1)
         self._guard(launched)
         tail = self.buckets[-1].tail.tolist()
-        missing, seen, shadow = self._missing, self._seen, self._shadow
+        missing, seen, shadow, backward = self._missing, self._seen, self._shadow, self._backward
         self._reset()
         self.stats["iterations"] += 1
         if not self.find_unused and tail[0] > 0:
@@ -576,7 +589,7 @@ class Reducer:
             self.tied.apply()
         if self.momentum is not None:
             self.momentum.exchanged()
-        if (seen or shadow) and not self._relaid_out:
+        if backward and not self._relaid_out:  # every rank alike, whatever reached its hooks
             self._relayout(seen)
 
     def _account(self, launched, t0: int, t1: int) -> None:

@@ -105,6 +105,33 @@ def test_uneven_steps_equal_one_process_with_zero_shares(world, pattern, accumul
     _gather_equal(world, hpcdp.check_replicas(model))
 
 
+@pytest.mark.parametrize("passes,backwards", [(1, 1), (2, 2), (2, 1)],
+                         ids=["step", "accumulated", "step-after-fewer-passes"])
+def test_distributed_optimizer_join_equals_one_process(world, passes, backwards):
+    """Horovod's style: DistributedOptimizer(...).join(); its rounds start the backward pass
+    that averages (or step() after fewer passes than backward_passes_per_step)."""
+    rank, size = world.Get_rank(), world.Get_size()
+    counts = COUNTS["rank0-without-data"][:size]
+    model = _Reversed()
+    opt = hpcdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                     named_parameters=model.named_parameters(),
+                                     backward_passes_per_step=passes, first_bucket_mb=0.0001,
+                                     bucket_cap_mb=0.0004)
+    with opt.join() as joined:
+        for k in range(counts[rank]):
+            opt.zero_grad()
+            for m in range(backwards):
+                _loss(model, *_batch(rank, k, m)).backward()
+            opt.step()
+    ref = _reference(counts, size, backwards)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p, q, **TIGHT), f"rank {rank}: {name}: max diff {(p - q).abs().max()}"
+    _gather_equal(world, hpcdp.check_replicas(model))
+    _gather_equal(world, _momentum_digest(opt))
+    assert joined.shadowed == max(counts) - counts[rank]
+    assert joined.last_rank == (1 if size > 1 else None)
+
+
 @pytest.mark.gpu
 def test_uneven_steps_on_cuda(world):
     """The same on this rank's GPU (skipped without CUDA): shadowed buckets are zeroed on
