@@ -71,6 +71,9 @@ class _Runtime:
         self._auto = {}
         # small blocking shared-memory calls' plans by kind of call (hpcdp.collectives)
         self.round_plans = {}
+        # while ranks shadow the steps inside a join() context: the context and those ranks
+        # (hpcdp.torch.join), which other collectives of the training ranks would wait for
+        self.join_shadowing = None
         self._cross = None
         self.device = "cpu"
         self.cuda = False

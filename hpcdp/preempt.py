@@ -76,8 +76,18 @@ class PreemptionHandler:
 
         Call it on every rank at the same point of every step (a step boundary).
         Costs one allreduce of 4 bytes (and hpcdp's argument check, an 80-byte one).
+        Inside a ``join()`` context (uneven inputs), once some ranks have run out and
+        shadow the others' steps, they cannot answer it: it raises, saying so. Check for
+        preemption outside the context, or use ``join(throw_on_early_termination=True)``,
+        which keeps every rank in step.
         """
-        runtime("preempt.should_stop()")
+        rt = runtime("preempt.should_stop()")
+        if rt.join_shadowing is not None:
+            raise RuntimeError(
+                f"rank {rt.rank}: preempt.should_stop() inside {rt.join_shadowing}: they shadow "
+                "the training steps and cannot answer this allreduce. Check for preemption "
+                "outside the join context (e.g. between epochs), or use "
+                "join(throw_on_early_termination=True), which keeps every rank in step")
         self._flag[0] = 1 if self.received is not None else 0
         allreduce(self._flag, op="sum", name="preemption flag")
         self.ranks_signalled = int(self._flag[0])

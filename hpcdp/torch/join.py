@@ -106,6 +106,7 @@ class Join:
         finally:
             self.reducer.join = None
             self.reducer.layout_root = 0
+            self.reducer.rt.join_shadowing = None
         return False
 
     # -- rounds --------------------------------------------------------------------------
@@ -156,6 +157,8 @@ class Join:
                     f"rank {rank}: {owner}.join(): ranks {_ranks(joined)} ran out of inputs while "
                     f"ranks {_ranks(training)} still train (throw_on_early_termination=True)")
             self._uneven = True
+            self.reducer.rt.join_shadowing = (f"{owner}.join(), where ranks {_ranks(joined)} ran "
+                                              "out of inputs")
         return int(training[0]), int(flags[training[0]])
 
     def _shadow_until_all_joined(self) -> None:

@@ -4,11 +4,14 @@ Every rank computes the reference itself: one process applying, at global step k
 average over all N ranks of the gradients of the ranks that still train at k (a joined
 rank's share is zero, the divisor stays N), with the same optimizer.
 """
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import hpcdp  # noqa: E402
+from hpcdp import preempt  # noqa: E402
 from hpcdp.errors import MismatchError, UnevenInputsError  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
@@ -236,6 +239,28 @@ def test_throw_on_early_termination_raises_on_every_rank(world):
     t = torch.ones(3)
     hpcdp.allreduce(t)  # nothing left pending
     assert torch.equal(t, torch.full((3,), float(size)))
+
+
+def test_preemption_checks_inside_join_keep_step_with_throw_on_early_termination(world):
+    """Every rank calls should_stop() after each step: with throw_on_early_termination no
+    rank ever shadows, so the checks match up to the step at which the first rank runs out
+    (then every rank raises; the job could checkpoint here). Shadowing ranks could not
+    answer them: tests/torch/test_join.py."""
+    rank, size = world.Get_rank(), world.Get_size()
+    counts = [3, 1, 4, 2][:size]
+    ddp = hpcdp.DistributedDataParallel(_Reversed())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    answers = []
+    with preempt.PreemptionHandler() as stop:
+        with pytest.raises(UnevenInputsError) if size > 1 else contextlib.nullcontext():
+            with ddp.join(throw_on_early_termination=True):
+                for k in range(counts[rank]):
+                    opt.zero_grad()
+                    _loss(ddp, *_batch(rank, k, 0)).backward()
+                    opt.step()
+                    answers.append(stop.should_stop())
+    assert answers == [False] * min(counts)
+    _gather_equal(world, hpcdp.check_replicas(ddp.module))
 
 
 def test_ranks_that_disagree_on_no_sync_are_named(world):
