@@ -116,7 +116,10 @@ class DistributedDataParallel(torch.nn.Module):
         if join is None:
             self._broadcast_buffers(0)
         elif torch.is_grad_enabled():  # a training step inside join(): a join round first
-            self._broadcast_buffers(join.train_round(self._require_sync))
+            root = join.train_round(self._require_sync)
+            if tracer is not None:
+                t0 = tracer.now()  # the round is a COLLECTIVE of its own, not forward
+            self._broadcast_buffers(root)
         out = self._run(args, kwargs)
         if tracer is not None:
             tracer.forward_end(t0, out)

@@ -124,8 +124,12 @@ class Join:
         rank makes alike."""
         reducer = self.reducer
         rt = reducer.rt
+        tracer = reducer.tracer
         self._mine[0] = mine
+        t0 = tracer.now() if tracer is not None else 0
         rt.engine.run(self._allgather, self._name, None, {"phase": "join round (MPI_Allgather)"})
+        if tracer is not None:
+            tracer.join_round(t0, tracer.now(), rt.size)
         flags = self._flags
         if flags.tobytes() == self._common:  # every rank trains and averages: rank 0 leads
             root, mode = 0, _SYNCS | _BACKWARD
@@ -165,14 +169,17 @@ class Join:
         reducer = self.reducer
         while True:
             root, sync, backward = self._round(0)
+            if root is not None:
+                if self.broadcast_buffers is not None:
+                    self.broadcast_buffers(root)
+                if sync:
+                    reducer.tied = self.tied
+                    reducer.shadow(backward)
+                self.shadowed += 1
+            if reducer.tracer is not None:
+                reducer.tracer.end_step(reducer.tracer.now())
             if root is None:
                 break
-            if self.broadcast_buffers is not None:
-                self.broadcast_buffers(root)
-            if sync:
-                reducer.tied = self.tied
-                reducer.shadow(backward)
-            self.shadowed += 1
         if self._uneven:
             self.last_rank = self._last_root
             broadcast_tensors(self.replicated, root=self.last_rank)

@@ -525,7 +525,7 @@ class Reducer:
         """One synchronised iteration of a rank that has joined (:mod:`hpcdp.torch.join`):
         every bucket reduced with zeros in this rank's share, then finished as any other
         iteration (``.grad`` holds the others' average after), as a backward pass of theirs
-        (``backward``) or a :meth:`reduce_now`. Not traced."""
+        (``backward``) or a :meth:`reduce_now`."""
         self._reset()
         self._sync = self._shadow = True
         self._backward = backward
@@ -537,14 +537,10 @@ class Reducer:
                 else:
                     b.flat.zero_()
                 b.pending = 0
-        tracer, self.tracer = self.tracer, None
-        try:
-            self._launch_in_order()
-            if self.tied is not None:
-                self.tied.launch(self.stats)
-            self.finish()
-        finally:
-            self.tracer = tracer
+        self._launch_in_order()
+        if self.tied is not None:
+            self.tied.launch(self.stats)
+        self.finish()
 
     def finish(self) -> None:
         """Wait for every launched bucket (in order) and put the averages in ``.grad``."""

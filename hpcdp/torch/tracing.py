@@ -22,6 +22,10 @@ events of an :mod:`hpcdp.trace` recorder (layout: ``docs/trace-format.md``):
   under ``no_sync()`` belong to the step they accumulate for. Under
   :func:`~hpcdp.DistributedOptimizer` there is no forward to see: a step starts
   with its first backward.
+- Inside ``join()`` (:mod:`hpcdp.torch.join`): COLLECTIVE "join round" for every round,
+  in the step it starts (outside FORWARD). A rank that has run out records a step per
+  step it shadows (the round, its bucket transfers and its wait for them as EXPOSED_WAIT),
+  and every rank a last step holding the round that ends the context.
 
 Nothing here runs unless tracing is on: the reducer holds ``None`` otherwise.
 """
@@ -107,11 +111,16 @@ class StepTracer:
     # -- wrapper ---------------------------------------------------------------------
     def forward_begin(self) -> int:
         t = self.now()
+        self._open_step(t)
+        return t
+
+    def _open_step(self, t: int) -> None:
+        """A step starts at ``t`` unless one is open; a synchronised one that only the next
+        forward closes (no optimizer over our parameters) ends first."""
         if self._t_step is not None and self._synced and not self._optimizer_ends_steps:
             self._end_step(self._t_end)
         if self._t_step is None:
             self._t_step = t
-        return t
 
     def forward_end(self, t0: int, out) -> None:
         self.rec.span(_FORWARD, t0, self.now(), self.step)
@@ -152,6 +161,18 @@ class StepTracer:
         self.rec.span(_EXPOSED, t0, t1, self.step)
         self._t_end = t1
         self._synced = True
+
+    # -- join() ---------------------------------------------------------------------------
+    def join_round(self, t0: int, t1: int, nbytes: int) -> None:
+        """A join round from ``t0`` to ``t1``, in the open step (or the step it opens)."""
+        self._open_step(t0)
+        self.rec.call(t0, t1, self.step, 0, self.rec.call_id("join round"), nbytes)
+
+    def end_step(self, t: int) -> None:
+        """End the open step: at its synchronised wait's end, else at ``t`` (a shadowed step
+        without gradients, or the last round)."""
+        if self._t_step is not None:
+            self._end_step(self._t_end if self._synced else t)
 
     def layout(self, nbytes, names) -> None:
         """The bucket layout: gradient bytes and parameter names per bucket."""

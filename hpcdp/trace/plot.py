@@ -20,7 +20,7 @@ _COLORS = {EventKind.FORWARD: "#4c72b0", EventKind.BACKWARD: "#dd8452",
 _LABELS = {EventKind.FORWARD: "forward", EventKind.BACKWARD: "backward",
            EventKind.EXPOSED_WAIT: "exposed wait", EventKind.OPTIMIZER: "optimizer",
            EventKind.BUCKET_COMM: "bucket transfer", EventKind.RING_STEP: "ring step",
-           EventKind.COLLECTIVE: "torch.distributed call"}
+           EventKind.COLLECTIVE: "collective call"}
 _COMM_KINDS = (EventKind.BUCKET_COMM, EventKind.RING_STEP, EventKind.COLLECTIVE)
 
 

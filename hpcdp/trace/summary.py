@@ -16,8 +16,8 @@ Definitions (also in ``docs/tracing.md``), per rank and step, times aligned to r
   time) over its transfers, n the world size (the nccl-tests convention).
 - slowest rank of a step: the rank whose STEP ends last; lag = latest end -
   earliest end.
-- calls (the torch.distributed backend's COLLECTIVE events), per call name over all ranks
-  and steps: calls per step and rank, mean bytes, mean and p99 time from the call to the
+- calls (COLLECTIVE events: the torch.distributed backend's calls, join rounds), per call
+  name over all ranks and steps: calls per step and rank, mean bytes, mean and p99 time from the call to the
   end of its operation, and bus bandwidth = factor * sum(bytes) / sum(time) with the
   nccl-tests factor of the call (allreduce 2 (n - 1) / n, allgather and reduce-scatter
   (n - 1) / n, broadcast 1; none for other calls and for sub-groups' calls).
@@ -126,7 +126,7 @@ def summarize(trace: Trace, skip: int = 0) -> Summary:
     ``buckets`` holds arrays indexed by row: ``bucket`` (index), ``layout_bytes``
     (from the layout, -1 if unknown), ``payload_bytes`` (mean per transfer),
     ``transfers``, ``mean_ns`` (mean transfer time) and ``busbw`` (bytes/s). ``calls``
-    maps each torch.distributed call name to ``per_step`` (calls per step and rank),
+    maps each collective call's name to ``per_step`` (calls per step and rank),
     ``calls``, ``mean_bytes``, ``mean_ns``, ``p99_ns`` and ``busbw`` (bytes/s, NaN where
     no factor applies).
     """
@@ -349,7 +349,7 @@ def format_summary(s: Summary, all_ranks: bool = False) -> str:
                          f"{_bytes(b['payload_bytes'][j]):>10} {b['transfers'][j]:>9} "
                          f"{_ms(b['mean_ns'][j]):>9} {'-' if math.isnan(bw) else f'{bw / 1e9:.3f}':>9}")
     if s.calls:
-        lines += ["", f"{'torch.distributed call':<34} {'per step':>8} {'calls':>7} {'bytes':>10} "
+        lines += ["", f"{'collective call':<34} {'per step':>8} {'calls':>7} {'bytes':>10} "
                       f"{'mean ms':>9} {'p99 ms':>9} {'bus GB/s':>9}"]
         for name, c in s.calls.items():
             bw = c["busbw"]

@@ -13,6 +13,8 @@ torch = pytest.importorskip("torch")
 import hpcdp  # noqa: E402
 from hpcdp import preempt  # noqa: E402
 from hpcdp.errors import MismatchError, UnevenInputsError  # noqa: E402
+from hpcdp.trace import EventKind as K  # noqa: E402
+from hpcdp.trace import load, summarize  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
@@ -106,6 +108,38 @@ def test_uneven_steps_equal_one_process_with_zero_shares(world, pattern, accumul
         assert flat.index("a.weight") < flat.index("c.weight")  # the root's observed order
     _train(ddp, opt, 1, rank, 1)  # after the context: ordinary steps, replicas still agree
     _gather_equal(world, hpcdp.check_replicas(model))
+
+
+def test_traces_show_the_rounds_and_the_shadowed_steps(world, mpi_tmp_path):
+    """Every rank records max(counts) + 1 steps (the last holds the round that ends the
+    context), each with one "join round" call; a rank that ran out records the buckets of
+    the steps it shadowed and its wait for them, no forward or backward."""
+    rank, size = world.Get_rank(), world.Get_size()
+    counts = COUNTS["uneven"][:size]
+    run = str(mpi_tmp_path / "join")
+    ddp = hpcdp.DistributedDataParallel(_Reversed(), first_bucket_mb=0.0001, bucket_cap_mb=0.0004,
+                                        trace=run)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    with ddp.join(optimizer=opt):
+        _train(ddp, opt, counts[rank], rank, 1)
+    nbuckets = len(ddp.bucket_layout())
+    ddp.close_trace()
+    hpcdp.barrier()
+    t = load(run)
+    assert t.check() == []
+    steps = max(counts) + 1
+    for r, n in zip(t.ranks, counts):
+        assert r.of_kind(K.STEP)["step"].tolist() == list(range(steps))
+        rounds = r.of_kind(K.COLLECTIVE)
+        assert rounds["step"].tolist() == list(range(steps))
+        assert {r.call_name(int(i)) for i in rounds["index"]} == {"join round"}
+        assert r.of_kind(K.FORWARD)["step"].tolist() == list(range(n))  # the rank's own steps
+        assert r.of_kind(K.BACKWARD)["step"].tolist() == list(range(n))
+        comm = r.of_kind(K.BUCKET_COMM)
+        assert sorted(set(comm["step"].tolist())) == list(range(steps - 1))  # shadowed steps too
+        assert len(comm) == nbuckets * (steps - 1)
+        assert r.of_kind(K.EXPOSED_WAIT)["step"].tolist() == list(range(steps - 1))
+    assert summarize(t).calls["join round"]["per_step"] == 1.0
 
 
 @pytest.mark.parametrize("passes,backwards", [(1, 1), (2, 2), (2, 1)],
