@@ -93,7 +93,11 @@ _SYNTHETIC_JOIN = ("(M='--modes hpcdp,ddp,ddp-hpcdp,local'; for J in '' --join; 
                    "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10 $M $J; "
                    "mpirun -np 2 hpcdp-bench synthetic --model gpt2-mini --batch-size 4 --seq-len 128 "
                    "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10 $M $J; done) "
-                   "| grep '^{' > docs/results/synthetic-join.jsonl")
+                   "| grep '^{' > docs/results/synthetic-join.jsonl\n"
+                   "R='python tools/cluster/bench_train.py --bench synthetic --rates 2gbit "
+                   "--out docs/results/synthetic-join.jsonl --'; for J in '' --join; do $R --model resnet50 "
+                   "--image-size 64 --batch-size 16 --num-warmup-batches 3 --num-batches-per-iter 2 "
+                   "--num-iters 6 --modes hpcdp,ddp,local $J; done")
 _CLUSTER_SYNTHETIC = ("R='python tools/cluster/bench_train.py --bench synthetic --rates 2gbit "
                       "--out docs/results/cluster-synthetic.jsonl --'; "
                       "for b in 16 4 2; do $R --model resnet50 --image-size 64 --batch-size $b "
@@ -268,7 +272,8 @@ SPECS = {
         "file": "synthetic-join.jsonl",
         "command": _SYNTHETIC_JOIN,
         "where": {"bench": "synthetic"},
-        "columns": [("model", "model", "str"), ("mode", "mode", "str"), ("join()", "join", "bool"),
+        "columns": [("link", "rate", "str"), ("model", "model", "str"), ("mode", "mode", "str"),
+                    ("join()", "join", "bool"), ("batch", "batch_size", "int"),
                     ("ranks", "np", "int"), ("throughput", "throughput", "num1"),
                     ("+-", "throughput_conf", "num1"), ("unit", "unit", "str"),
                     ("/ ddp", "ratio_to_ddp", "ratio"), ("scaling eff.", "scaling_efficiency", "ratio"),
