@@ -531,9 +531,12 @@ class Reducer:
         self._backward = backward
         with torch.no_grad():
             for b in self.buckets:
-                if b.direct:
+                if b.direct:  # reduced in .grad itself where it has one (as _launch does)
                     p = self.params[b.members[0]]
-                    b.zeros = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    if p.grad is not None and p.grad.is_contiguous():
+                        p.grad.zero_()
+                    else:
+                        b.zeros = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 else:
                     b.flat.zero_()
                 b.pending = 0
