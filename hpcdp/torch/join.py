@@ -167,13 +167,13 @@ class Join:
 
     def _shadow_until_all_joined(self) -> None:
         reducer = self.reducer
+        reducer.tied = self.tied
         while True:
             root, sync, backward = self._round(0)
             if root is not None:
                 if self.broadcast_buffers is not None:
                     self.broadcast_buffers(root)
                 if sync:
-                    reducer.tied = self.tied
                     reducer.shadow(backward)
                 self.shadowed += 1
             if reducer.tracer is not None:
