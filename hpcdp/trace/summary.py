@@ -17,9 +17,9 @@ Definitions (also in ``docs/tracing.md``), per rank and step, times aligned to r
 - slowest rank of a step: the rank whose STEP ends last; lag = latest end -
   earliest end.
 - calls (COLLECTIVE events: the torch.distributed backend's calls, join rounds), per call
-  name over all ranks and steps: calls per step and rank, mean bytes, mean and p99 time from the call to the
-  end of its operation, and bus bandwidth = factor * sum(bytes) / sum(time) with the
-  nccl-tests factor of the call (allreduce 2 (n - 1) / n, allgather and reduce-scatter
+  name over all ranks and steps: calls per step and rank, mean bytes, mean and p99 time
+  from the call to the end of its operation, and bus bandwidth = factor * sum(bytes) /
+  sum(time) with the nccl-tests factor of the call (allreduce 2 (n - 1) / n, allgather and reduce-scatter
   (n - 1) / n, broadcast 1; none for other calls and for sub-groups' calls).
 
 Statistics over steps are mean, p50 and p99 (numpy's linear interpolation).
