@@ -369,8 +369,11 @@ def _one_round_here(rt, buf, opcode: int, check: bool, algo) -> bool:
     idle: the compiled one round of its :class:`~hpcdp.comm.shm.RoundPlan` (kept per kind
     of call: dtype, length, op, check, algo), with none of the general path's layers (a
     4 KiB call at np = 2 took 7.2-9.1 us through them, 4.4-5.0 this way; the MPIs' own
-    allreduce 1.7-4.4). True when it ran."""
-    key = (buf.dtype.code, buf.n, opcode, check, algo)
+    allreduce 1.7-4.4). True when it ran. Host memory only: the plans are kept per kind of
+    call, and a device buffer of the same kind goes the general way (staged, or the ring)."""
+    if buf.kind != "host":
+        return False
+    key = (buf.dtype.code, buf.n, opcode, check, algo or rt.algo)  # (the job's default may change)
     plan = rt.round_plans.get(key, _UNPLANNED)
     if plan is _UNPLANNED:
         plan = _plan_round(rt, buf, opcode, check, algo)
@@ -405,10 +408,10 @@ _MAX_PLANS = 256
 
 
 def _plan_round(rt, buf, opcode: int, check: bool, algo):
-    """The :class:`~hpcdp.comm.shm.RoundPlan` of a kind of blocking call, ``None`` when it
-    does not take the one round (another algorithm or size, device memory), or
+    """The :class:`~hpcdp.comm.shm.RoundPlan` of a kind of blocking call of host memory,
+    ``None`` when it does not take the one round (another algorithm or size), or
     ``_UNPLANNED`` before the node's window exists (the general path makes it)."""
-    if buf.kind != "host" or _pick_algo(rt, algo, buf, None) != "shm":
+    if _pick_algo(rt, algo, buf, None) != "shm":
         return None
     window = rt.node_data_made()
     if window is None:
