@@ -137,6 +137,12 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
     if comp is not None and comp.collective == "lowrank":
         yield from _lowrank_gen(rt, ctx, buf, op, check, comp, state, algo)
         return
+    if buf.kind == "device" and algo != "ring":  # (staged: see _pick_algo)
+        host = _staging_buffer(rt, buf)
+        buf.ops.to_host(buf.data, host.data)
+        yield from _allreduce_gen(rt, ctx, host, op, check, blocking, None, None, algo)
+        buf.ops.from_host(host.data, buf.data)
+        return
     if algo == "shm":
         sig = _shm_signature(rt, buf, op) if check else None
         if sig is not None and not rt.node_data_ready():
@@ -229,16 +235,21 @@ def _plain_gen(rt, ctx, buf, average: bool, blocking: bool):
     """Generator: the uncompressed ring over host memory or device memory MPI reads; device
     memory of a non-CUDA-aware MPI goes through host staging memory as a whole."""
     if buf.kind == "device" and not rt.cuda_aware:
-        host = rt.staging(buf)
-        buf.ops.to_host(buf.data, host)
-        yield from _plain_gen(rt, ctx, Buffer(host, buf.n, buf.dtype, host_ops(buf.dtype), buf.name),
-                              average, blocking)
-        buf.ops.from_host(host, buf.data)
+        host = _staging_buffer(rt, buf)
+        buf.ops.to_host(buf.data, host.data)
+        yield from _plain_gen(rt, ctx, host, average, blocking)
+        buf.ops.from_host(host.data, buf.data)
     elif blocking and ctx.on_step is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
         _one_message_ring(rt, ctx, buf, average)
     else:
         yield from ring_allreduce(ctx, buf.n, PlainFrames(buf, average, rt.size),
                                   rt.tmp(buf, _slots(buf.dtype.itemsize)), _cfg, buf.dtype.itemsize)
+
+
+def _staging_buffer(rt, buf) -> Buffer:
+    """The pinned host memory a device buffer crosses to MPI through, where MPI is not
+    CUDA-aware: the whole buffer, copied down before and up after any host algorithm."""
+    return Buffer(rt.staging(buf), buf.n, buf.dtype, host_ops(buf.dtype), buf.name)
 
 
 def _lowrank_gen(rt, ctx, buf, op: int, check: bool, comp, state, algo: str):
@@ -271,6 +282,12 @@ def _shm_call(rt, ctx, buf, op: int, check: bool) -> None:
     """A blocking shared-memory call as one plain function, once the node's data window is
     made; the first call (which makes it) and calls where ``/dev/shm`` is too small (the
     ring, see :meth:`_Runtime.node_data`) drive the generator."""
+    if buf.kind == "device":  # (staged: see _pick_algo)
+        host = _staging_buffer(rt, buf)
+        buf.ops.to_host(buf.data, host.data)
+        _shm_call(rt, ctx, host, op, check)
+        buf.ops.from_host(host.data, buf.data)
+        return
     window = rt.node_data_made()
     if window is None:
         drive(ctx.MPI, _allreduce_gen(rt, ctx, buf, op, check, True, None, None, "shm"), ctx.yield_cpu)
@@ -338,12 +355,13 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     per local rank across nodes: the ring, recursive doubling or halving-doubling as
     ``$HPCDP_ACROSS`` or the cost model picks, see :mod:`hpcdp.comm.twolevel`) or ``"auto"`` (the cost
     model's pick for the size and topology, see :mod:`hpcdp.comm.costmodel`); default
-    ``$HPCDP_ALGO`` or ``"auto"``. It applies to host buffers; device buffers keep the
-    ring. Compression composes with ``"two_level"``: fp16, bf16 and 1-bit compress its
-    stage across nodes only (the sums inside a node stay exact; fp16 and bf16 by the stage
-    the cost model picks for their frames' bytes); PowerSGD's two sums of
-    factors take what ``algo`` picks for their sizes. Elsewhere compressed calls take the
-    ring (fp16, bf16) or their own exchange (1-bit).
+    ``$HPCDP_ALGO`` or ``"auto"``. It applies to host buffers and to device buffers
+    staged through pinned host memory (MPI not CUDA-aware); device memory that a
+    CUDA-aware MPI reads keeps the ring. Compression composes with ``"two_level"``: fp16,
+    bf16 and 1-bit compress its stage across nodes only (the sums inside a node stay
+    exact; fp16 and bf16 by the stage the cost model picks for their frames' bytes);
+    PowerSGD's two sums of factors take what ``algo`` picks for their sizes. Elsewhere
+    compressed calls take the ring (fp16, bf16) or their own exchange (1-bit).
     ``x`` must not be touched until the handle completes.
     """
     rt = runtime("allreduce_async()")
@@ -422,9 +440,12 @@ def _plan_round(rt, buf, opcode: int, check: bool, algo):
 
 def _pick_algo(rt, algo, buf, comp) -> str:
     """The algorithm this call runs: ``algo``, else ``$HPCDP_ALGO`` (read at init), else
-    ``"auto"``; it applies to host buffers. A compressed call takes ``two_level`` where the
-    plain call would (the codec compresses its stage across nodes only), else the ring; a
-    low-rank codec (PowerSGD) keeps what was asked, and its sums pick for their sizes."""
+    ``"auto"``. It applies to host buffers and to device buffers staged through host memory
+    (MPI not CUDA-aware: the whole buffer is copied down, reduced there and copied up);
+    device memory that MPI reads, and a ring codec's staged frames, keep the ring. A
+    compressed call takes ``two_level`` where the plain call would (the codec compresses its
+    stage across nodes only), else the ring; a low-rank codec (PowerSGD) keeps what was
+    asked, and its sums pick for their sizes."""
     algo = algo or rt.algo
     if algo != "auto" and algo not in ALGOS:
         raise ValueError(f"rank {rt.rank}: allreduce of {buf.name!r}: algo must be one of auto, "
@@ -433,7 +454,7 @@ def _pick_algo(rt, algo, buf, comp) -> str:
         raise ValueError(f"rank {rt.rank}: allreduce of {buf.name!r}: algo='shm' needs every rank "
                          f"on one node, and this job's {rt.size} ranks are on {len(rt.nodes)} "
                          "nodes: use algo='two_level' (or 'auto')")
-    if buf.kind != "host":
+    if buf.kind != "host" and (rt.cuda_aware or comp is not None and comp.collective != "lowrank"):
         return "ring"
     if comp is not None and comp.collective == "lowrank":
         return algo  # (its sums pick each for their size, see _sum_gen)

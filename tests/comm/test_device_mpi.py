@@ -2,8 +2,9 @@
 
 The fake array exposes only ``__cuda_array_interface__``: MPI receives raw
 pointers as it would for device memory. Both transports are exercised:
-CUDA-aware (pointers straight to MPI, reduction by the device ops) and staged
-(copy to host staging memory, host ring, copy back). Compression of device
+CUDA-aware (pointers straight to MPI, the ring, reduction by the device ops) and
+staged (copy to host staging memory, the host algorithm a host buffer of that size
+takes, copy back). Compression of device
 buffers runs on fake CUDA tensors (CPU tensors with the real torch device ops):
 compressors on the device, payload on the device (CUDA-aware) or staged alone.
 """
@@ -35,16 +36,51 @@ def test_fake_device_allreduce(world, transport, n):
     rank = world.Get_rank()
     host = np.random.default_rng(rank + n).standard_normal(n).astype(np.float32)
     everyone = world.allgather(host.copy())
+    expected = simulate(everyone)[rank] if transport else hpcdp.allreduce(host.copy())
     FakeOps.syncs = FakeOps.staged_in = FakeOps.staged_out = 0
     dev = FakeGPUArray(host)
     assert hpcdp.allreduce(dev) is dev
-    assert dev.get().tobytes() == simulate(everyone)[rank].tobytes()
+    assert dev.get().tobytes() == expected.tobytes()
     if transport:
         assert FakeOps.staged_in == 0
         if world.Get_size() > 1 and n > 0:
             assert FakeOps.syncs >= 1, "MPI read device memory without a stream sync"
     else:
         assert FakeOps.staged_in == 1 and FakeOps.staged_out == 1
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+@pytest.mark.parametrize("algo", ["ring", "shm"])
+def test_staged_device_buffers_take_the_host_algorithm(world, rt, monkeypatch, algo, blocking):
+    """Staged (MPI not CUDA-aware), a device buffer is copied to host memory and reduced
+    there by the algorithm a host buffer takes, with a host buffer's bits; CUDA-aware, the
+    ring reads device memory (the shared window cannot)."""
+    import hpcdp.collectives as coll
+    seen = []  # the memory the shared-memory algorithm was given, per call
+
+    def spy(real):
+        def call(ctx, window, buf, *args):
+            seen.append(type(buf.data).__name__)
+            return real(ctx, window, buf, *args)
+        return call
+    for name in ("shm_allreduce", "shm_allreduce_blocking"):
+        monkeypatch.setattr(coll, name, spy(getattr(coll, name)))
+    rank = world.Get_rank()
+    host = np.random.default_rng(rank).standard_normal(3001).astype(np.float32)
+    expected = hpcdp.allreduce(host.copy(), op="avg", algo=algo)
+    seen.clear()
+    for aware in (False, True):
+        monkeypatch.setattr(rt, "cuda_aware", aware)
+        FakeOps.staged_in = FakeOps.staged_out = 0
+        dev = FakeGPUArray(host.copy())
+        if blocking:
+            hpcdp.allreduce(dev, op="avg", algo=algo)
+        else:
+            hpcdp.allreduce_async(dev, op="avg", algo=algo).wait()
+        assert (FakeOps.staged_in, FakeOps.staged_out) == ((0, 0) if aware else (1, 1))
+        if not aware or algo == "ring":
+            assert dev.get().tobytes() == expected.tobytes()
+    assert seen == (["ndarray"] if algo == "shm" else [])
 
 
 def test_fake_device_broadcast(world, transport):
@@ -139,13 +175,15 @@ def _grads(rank, n, seed=0):
 
 @pytest.mark.parametrize("n", [0, 1, 1001])
 def test_fake_cuda_tensor_plain_allreduce(world, transport, n):
-    """Uncompressed, the torch device ops reduce in place or stage the whole buffer."""
+    """Uncompressed, the torch device ops reduce in place (the ring) or stage the whole
+    buffer (the host algorithm of its size)."""
     rank = world.Get_rank()
     mem = np.random.default_rng(rank + n).standard_normal(n).astype(np.float32)
     everyone = world.allgather(mem.copy())
+    expected = simulate(everyone)[rank] if transport else hpcdp.allreduce(mem.copy())
     FakeTorchOps.reset()
     hpcdp.allreduce(FakeCudaTensor.of(mem))
-    assert mem.tobytes() == simulate(everyone)[rank].tobytes()
+    assert mem.tobytes() == expected.tobytes()
     staged = 0 if transport else 1
     assert (FakeTorchOps.staged_in, FakeTorchOps.staged_out) == (staged, staged)
 
@@ -223,8 +261,8 @@ def test_fake_cuda_onebit_matches_host_over_steps(world, transport, op, n):
 @pytest.mark.parametrize("n", [0, 7, 70_001])
 def test_fake_cuda_powersgd_matches_host_over_steps(world, transport, n):
     """PowerSGD computes with torch on the tensor's device: the same bits and error memory
-    as the host path with its sums on the ring (the device path's), through its uncompressed
-    start and after."""
+    as the host path with its sums where the device path's go (CUDA-aware: the ring; staged:
+    what a host sum of that size takes), through its uncompressed start and after."""
     size, rank = world.Get_size(), world.Get_rank()
     comp = PowerSGD(rank=2, start_steps=1)
     host_state = comp.new_state(n, size, rank, name="host")
@@ -233,7 +271,7 @@ def test_fake_cuda_powersgd_matches_host_over_steps(world, transport, n):
         x = _grads(rank, n, seed=step)
         host, host_stats = x.copy(), {}
         hpcdp.allreduce(host, op="avg", compression=comp, state=host_state, stats=host_stats,
-                        algo="ring")
+                        algo="ring" if transport else None)
         mem, stats = x.copy(), {}
         hpcdp.allreduce(FakeCudaTensor.of(mem), op="avg", compression=comp, state=dev_state,
                         stats=stats)
