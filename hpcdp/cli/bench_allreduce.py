@@ -81,7 +81,7 @@ def _host_runners(elems, comm, groups, check, algos=()) -> dict:
     return runners
 
 
-def _device_runners(elems, rt, comm, groups, check) -> dict:
+def _device_runners(elems, rt, comm, groups, check, algos=()) -> dict:
     import torch
     from mpi4py import MPI
 
@@ -111,9 +111,18 @@ def _device_runners(elems, rt, comm, groups, check) -> dict:
             buf.copy_(host, non_blocking=True)
             sync()
     runners = {"hpcdp": ours, "hpcdp_async": ours_async, "native": native}
+    for algo in algos:
+        runners[algo] = _synced(allreduce_by(algo, buf, check), sync)
     for name, group in (groups or {}).items():
         runners[name] = functools.partial(_torch_call, buf.clone(), group, sync)
     return runners
+
+
+def _synced(call, sync):
+    def run():
+        call()
+        sync()
+    return run
 
 
 def _torch_call(t, group, sync) -> None:
@@ -139,7 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--algos", default="",
                     help="also time these algorithms by name (comma-separated: ring, shm, two_level, "
                          "and two_level:ring|doubling|halving, its stage across nodes forced; "
-                         "host buffers): fields <algo>_time_s, <algo>_busbw, ratio_<algo>")
+                         "CUDA buffers take them where staged): fields <algo>_time_s, <algo>_busbw, "
+                         "ratio_<algo>")
     ap.add_argument("--no-check", action="store_true",
                     help="skip hpcdp's cross-rank argument check (what DDP does internally)")
     return ap
@@ -164,10 +174,11 @@ def _algos(args) -> list:
 
 
 def _default_algo(rt, nbytes: int, device: str) -> str:
-    """What a default call of this size runs (device buffers keep the ring)."""
+    """What a default call of this size runs (device memory that a CUDA-aware MPI reads
+    keeps the ring; staged device buffers pick as host ones)."""
     from hpcdp.collectives import _pick_algo
     from hpcdp.comm.buffers import as_buffer
-    if device != "cpu":
+    if device != "cpu" and rt.cuda_aware:
         return "ring"
     return _pick_algo(rt, None, as_buffer(np.empty(nbytes // 4, np.float32)), None)
 
@@ -233,8 +244,8 @@ def main(argv=None) -> int:
     check = not args.no_check
     for nbytes in _sizes(args.sizes):
         elems = nbytes // 4
-        runners = _device_runners(elems, rt, rt.comm, groups, check) if args.device == "cuda" \
-            else _host_runners(elems, rt.comm, groups, check, _algos(args))
+        runners = _device_runners(elems, rt, rt.comm, groups, check, _algos(args)) \
+            if args.device == "cuda" else _host_runners(elems, rt.comm, groups, check, _algos(args))
         med, iters = _measure(rt.comm, runners, args)
         if rt.rank == 0:
             print(json.dumps(_record(rt, args, elems * 4, med, iters, check)), flush=True)
