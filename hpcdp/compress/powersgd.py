@@ -77,10 +77,6 @@ class PowerSGDState(BucketState):
         self.error = None   # float32 tensor of numel, on the bucket's device (first compressed step)
         self.qs = None      # per compressed tensor its Q, stored transposed (r x m, contiguous)
 
-    def residual_norm(self) -> float:
-        """L2 norm of the error memory (what the divergence guard compares)."""
-        return 0.0 if self.error is None else float(self.error.norm())
-
     def state_dict(self):
         state = super().state_dict()
         state.update(step=self.step, shapes=[list(s) for s in self.shapes],
