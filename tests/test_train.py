@@ -62,6 +62,23 @@ def test_device_flag_puts_the_model_on_the_gpu_or_refuses_without_one():
         assert " on cuda:0," in p.stdout and "done: test_acc=" in p.stdout, p.stdout
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("compression,optimizer", [("onebit", "sgd"), ("onebit", "adam"),
+                                                   ("powersgd", "sgd")])
+def test_compressed_training_on_the_gpu_keeps_replicas_identical(compression, optimizer):
+    """The job's compressed couplings on a CUDA model (1-bit: the compressed-momentum
+    optimizers; PowerSGD: the compressor on the DDP buckets) train, and every rank ends
+    with the same bits (the job's check_replicas raises otherwise)."""
+    pytest.importorskip("torch")
+    p = run_mpi(2, ["-m", "hpcdp.train", "--device", "cuda", "--compression", compression,
+                    "--optimizer", optimizer, "--epochs", "2"], timeout=100)
+    if ran_on_cuda(p, "--device cuda: this process sees no CUDA device"):
+        assert " on cuda:0," in p.stdout, p.stdout
+        acc = float(re.search(r"done: test_acc=([0-9.]+)", p.stdout).group(1))
+        assert acc >= 0.2, f"diverged (twice chance is 0.2): {p.stdout}"
+
+
 @pytest.mark.timeout(120)
 def test_trace_directory_gets_every_rank_and_every_step(tmp_path):
     from hpcdp.trace import EventKind, load
