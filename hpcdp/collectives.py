@@ -8,6 +8,7 @@ each rank passed, instead of hanging or corrupting memory.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -137,11 +138,9 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
     if comp is not None and comp.collective == "lowrank":
         yield from _lowrank_gen(rt, ctx, buf, op, check, comp, state, algo)
         return
-    if buf.kind == "device" and algo != "ring":  # (staged: see _pick_algo)
-        host = _staging_buffer(rt, buf)
-        buf.ops.to_host(buf.data, host.data)
-        yield from _allreduce_gen(rt, ctx, host, op, check, blocking, None, None, algo)
-        buf.ops.from_host(host.data, buf.data)
+    if buf.kind == "device" and comp is None and not rt.cuda_aware:
+        with _staged(rt, buf) as host:  # (reduced as a host buffer: see _pick_algo)
+            yield from _allreduce_gen(rt, ctx, host, op, check, blocking, None, None, algo)
         return
     if algo == "shm":
         sig = _shm_signature(rt, buf, op) if check else None
@@ -232,24 +231,23 @@ def _codec_frames(rt, buf, comp, space, scale: float):
 
 
 def _plain_gen(rt, ctx, buf, average: bool, blocking: bool):
-    """Generator: the uncompressed ring over host memory or device memory MPI reads; device
-    memory of a non-CUDA-aware MPI goes through host staging memory as a whole."""
-    if buf.kind == "device" and not rt.cuda_aware:
-        host = _staging_buffer(rt, buf)
-        buf.ops.to_host(buf.data, host.data)
-        yield from _plain_gen(rt, ctx, host, average, blocking)
-        buf.ops.from_host(host.data, buf.data)
-    elif blocking and ctx.on_step is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
+    """Generator: the uncompressed ring over host memory or device memory MPI reads."""
+    if blocking and ctx.on_step is None and buf.kind == "host" and _fits_one_message(buf, rt.size):
         _one_message_ring(rt, ctx, buf, average)
     else:
         yield from ring_allreduce(ctx, buf.n, PlainFrames(buf, average, rt.size),
                                   rt.tmp(buf, _slots(buf.dtype.itemsize)), _cfg, buf.dtype.itemsize)
 
 
-def _staging_buffer(rt, buf) -> Buffer:
-    """The pinned host memory a device buffer crosses to MPI through, where MPI is not
-    CUDA-aware: the whole buffer, copied down before and up after any host algorithm."""
-    return Buffer(rt.staging(buf), buf.n, buf.dtype, host_ops(buf.dtype), buf.name)
+@contextlib.contextmanager
+def _staged(rt, buf):
+    """Device buffer ``buf`` as host memory, where MPI is not CUDA-aware: the whole buffer
+    copied down to the pinned staging memory, reduced there by the caller as a host
+    buffer, and copied back up when the block ends (not after an error)."""
+    host = Buffer(rt.staging(buf), buf.n, buf.dtype, host_ops(buf.dtype), buf.name)
+    buf.ops.to_host(buf.data, host.data)
+    yield host
+    buf.ops.from_host(host.data, buf.data)
 
 
 def _lowrank_gen(rt, ctx, buf, op: int, check: bool, comp, state, algo: str):
@@ -283,10 +281,8 @@ def _shm_call(rt, ctx, buf, op: int, check: bool) -> None:
     made; the first call (which makes it) and calls where ``/dev/shm`` is too small (the
     ring, see :meth:`_Runtime.node_data`) drive the generator."""
     if buf.kind == "device":  # (staged: see _pick_algo)
-        host = _staging_buffer(rt, buf)
-        buf.ops.to_host(buf.data, host.data)
-        _shm_call(rt, ctx, host, op, check)
-        buf.ops.from_host(host.data, buf.data)
+        with _staged(rt, buf) as host:
+            _shm_call(rt, ctx, host, op, check)
         return
     window = rt.node_data_made()
     if window is None:
