@@ -460,6 +460,35 @@ def runtime(caller: str = "this function") -> _Runtime:
     return _rt
 
 
+_model_calls = threading.local()  # .depth: inside model_collectives() on this thread
+
+
+@contextlib.contextmanager
+def model_collectives():
+    """The block's collectives are a data-parallel model's own (its buckets, buffers and
+    gradient order, the join's broadcasts), which ranks that shadow inside ``join()`` answer;
+    :func:`check_answerable` lets them through."""
+    depth = getattr(_model_calls, "depth", 0)
+    _model_calls.depth = depth + 1
+    try:
+        yield
+    finally:
+        _model_calls.depth = depth
+
+
+def check_answerable(rt: _Runtime, what: str) -> None:
+    """Raise before collective ``what`` starts if ranks that ran out of inputs shadow this
+    rank's steps inside ``join()``: they answer the model's collectives only, so this one
+    would wait for them until the stall watchdog."""
+    if rt.join_shadowing is not None and not getattr(_model_calls, "depth", 0):
+        from .errors import UnevenInputsError
+        raise UnevenInputsError(
+            f"rank {rt.rank}: {what} inside {rt.join_shadowing}: those ranks shadow the model's "
+            "own collectives only and cannot answer this one. Make it outside the join context "
+            "(e.g. after the loop), or use join(throw_on_early_termination=True), which keeps "
+            "every rank in step")
+
+
 def rank() -> int:
     return runtime("rank()").rank
 

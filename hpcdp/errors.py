@@ -42,7 +42,9 @@ class UnusedParametersError(Error, RuntimeError):
 
 class UnevenInputsError(Error, RuntimeError):
     """Ranks ran out of inputs at different steps inside
-    ``DistributedDataParallel.join(throw_on_early_termination=True)``."""
+    ``DistributedDataParallel.join(throw_on_early_termination=True)``; or, inside a
+    ``join()`` where ranks shadow the steps, a rank still training made a collective
+    other than the model's own, which the shadowing ranks cannot answer."""
 
 
 class ReplicaMismatchError(Error, RuntimeError):

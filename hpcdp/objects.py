@@ -18,7 +18,7 @@ import pickle
 
 import numpy as np
 
-from ._runtime import runtime
+from ._runtime import check_answerable, runtime
 
 __all__ = ["broadcast_object", "gather_object", "scatter_object", "allgather_object",
            "broadcast_gen", "gather_gen", "scatter_gen", "allgather_gen"]
@@ -102,6 +102,7 @@ def scatter_gen(comm, MPI, objs, root: int):
 def _run(caller: str, make_gen, *args):
     """Run an object collective on the engine (in order with the other collectives)."""
     rt = runtime(caller)
+    check_answerable(rt, caller)
     result, where = [], {"phase": caller}
 
     def op():

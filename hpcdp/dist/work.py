@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+from .._runtime import check_answerable
 from ..comm.engine import as_comm_error
 
 __all__ = ["Work", "submit", "completed", "after_all"]
@@ -179,6 +180,7 @@ def submit(group, gen, name: str, value, where=None, blocking: bool = False,
     Work is done (or failed) when this returns. With tracing on (``group.tracer``) the call
     is recorded, of ``nbytes`` (default: the bytes of ``value``'s tensors)."""
     label = f"{name}{group.label}"
+    check_answerable(group.rt, f"torch.distributed {label}")
     engine = group.rt.engine
     traced = None
     if group.tracer is not None:

@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from .._runtime import init, is_initialized, runtime
+from .._runtime import init, is_initialized, model_collectives, runtime
 from .functions import broadcast_tensors, check_same_across_ranks, tensor_signature
 from .join import Join
 from .reducer import Reducer
@@ -127,7 +127,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _broadcast_buffers(self, root: int) -> None:
         if self.broadcast_buffers and self._synced_buffers and self._size > 1:
-            broadcast_tensors(self._synced_buffers, root=root)
+            with model_collectives():
+                broadcast_tensors(self._synced_buffers, root=root)
 
     def _run(self, args, kwargs):
         """The module's forward; split tied embeddings where that applies (training, and no

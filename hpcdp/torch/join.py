@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._runtime import model_collectives
 from ..comm.engine import rank_ranges
 from ..compress.base import RingCompressor
 from ..errors import MismatchError, UnevenInputsError
@@ -182,9 +183,10 @@ class Join:
                 break
         if self._uneven:
             self.last_rank = self._last_root
-            broadcast_tensors(self.replicated, root=self.last_rank)
-            if self.optimizer is not None:
-                broadcast_optimizer_state(self.optimizer, root=self.last_rank)
+            with model_collectives():
+                broadcast_tensors(self.replicated, root=self.last_rank)
+                if self.optimizer is not None:
+                    broadcast_optimizer_state(self.optimizer, root=self.last_rank)
 
 
 def _ranks(ranks) -> str:

@@ -44,7 +44,7 @@ from time import perf_counter_ns
 import numpy as np
 import torch
 
-from .._runtime import runtime
+from .._runtime import model_collectives, runtime
 from ..collectives import ALGOS, allreduce_async, broadcast
 from ..comm import hugepages
 from ..compress import NoCompression, get_compressor, resolve
@@ -281,7 +281,8 @@ class Reducer:
         self._relaid_out = True
         seen_set = set(seen)
         observed = np.array(seen + [i for i in self.order if i not in seen_set], dtype=np.int64)
-        broadcast(observed, root=self.layout_root, name=f"{self.owner} gradient order")
+        with model_collectives():
+            broadcast(observed, root=self.layout_root, name=f"{self.owner} gradient order")
         order = observed.tolist()
         if order != self.order:
             self._apply_order(order)
@@ -415,9 +416,10 @@ class Reducer:
 
     def _launch_in_order(self) -> None:
         buckets = self.buckets
-        while self._next < len(buckets) and buckets[self._next].pending == 0:
-            self._launch(buckets[self._next])
-            self._next += 1
+        with model_collectives():
+            while self._next < len(buckets) and buckets[self._next].pending == 0:
+                self._launch(buckets[self._next])
+                self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
         if b.direct:
@@ -620,7 +622,8 @@ class Reducer:
 
     def _raise_unused(self, missing: list[int]) -> None:
         names = [self.names[i] for i in missing]
-        everyone = allgather_object(names)
+        with model_collectives():
+            everyone = allgather_object(names)
         lines = []
         for r, ns in enumerate(everyone):
             shown = ", ".join(repr(n) for n in ns[:10])

@@ -94,3 +94,31 @@ def test_ddp_join_with_uneven_inputs(pg):
     everyone = [None] * size
     dist.all_gather_object(everyone, [p.detach().numpy().tobytes() for p in model.parameters()])
     assert all(e == everyone[0] for e in everyone), f"rank {rank}: replicas differ"
+
+
+def test_backend_calls_of_training_ranks_raise_inside_a_shadowed_hpcdp_join(pg):
+    """hpcdp's own DDP inside its ``join()``: once rank 0 has run out and shadows the steps,
+    a ``dist.all_reduce`` of the ranks still training is refused on them, naming the call
+    and the ranks, instead of waiting for rank 0 until the stall watchdog."""
+    import hpcdp
+    from hpcdp.errors import UnevenInputsError
+    rank, size = dist.get_rank(), dist.get_world_size()
+    ddp = hpcdp.DistributedDataParallel(_mlp())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    refused = []
+    with ddp.join():
+        for step in range(1 + rank):
+            opt.zero_grad()
+            ddp(torch.ones(2, 64)).sum().backward()
+            opt.step()
+            try:
+                dist.all_reduce(torch.ones(3))
+            except UnevenInputsError as err:
+                refused.append(str(err))
+    assert len(refused) == (rank if size > 1 else 0)
+    for message in refused:
+        assert message.startswith(f"rank {rank}: torch.distributed allreduce inside "
+                                  "hpcdp.DistributedDataParallel.join(), where ranks 0"), message
+    t = torch.ones(3)
+    dist.all_reduce(t)  # outside the context every rank answers again
+    assert t.tolist() == [size] * 3

@@ -297,6 +297,50 @@ def test_preemption_checks_inside_join_keep_step_with_throw_on_early_termination
     _gather_equal(world, hpcdp.check_replicas(ddp.module))
 
 
+_USER_CALLS = {
+    "allreduce": lambda: hpcdp.allreduce(torch.ones(3), name="metric"),
+    "allreduce_async": lambda: hpcdp.allreduce_async(torch.ones(3), name="metric").wait(),
+    "broadcast": lambda: hpcdp.broadcast(torch.ones(3), name="metric"),
+    "barrier": hpcdp.barrier,
+    "allgather_object": lambda: hpcdp.allgather_object("metric"),
+}
+
+
+@pytest.mark.parametrize("call", list(_USER_CALLS))
+def test_own_collectives_of_training_ranks_raise_while_others_shadow(world, call):
+    """After each step every training rank makes a collective of its own (a metric): once
+    ranks have run out and shadow the steps, that call is refused on the ranks still
+    training, naming the call and the ranks, before anything is sent (it would otherwise
+    wait for the shadowing ranks until the stall watchdog). The model's own collectives go
+    on, and a rank that skips its call keeps the job consistent."""
+    rank, size = world.Get_rank(), world.Get_size()
+    counts = [1, 3, 2, 4][:size]
+    ddp = hpcdp.DistributedDataParallel(_Reversed())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    made, refused = 0, []
+    with ddp.join():
+        for k in range(counts[rank]):
+            opt.zero_grad()
+            _loss(ddp, *_batch(rank, k, 0)).backward()
+            opt.step()
+            try:
+                _USER_CALLS[call]()
+                made += 1
+            except UnevenInputsError as err:
+                refused.append(str(err))
+    running_out = [r for r in range(size) if counts[r] == min(counts)]  # out after step 0
+    assert made == 1 if size > 1 else counts[rank]
+    assert len(refused) == counts[rank] - made
+    for message in refused:
+        assert message.startswith(f"rank {rank}: ")
+        assert "inside hpcdp.DistributedDataParallel.join(), where ranks " in message
+        assert "cannot answer this one" in message
+    if refused:
+        assert f"where ranks {running_out[0]}" in refused[0]
+    _gather_equal(world, hpcdp.check_replicas(ddp.module))
+    _USER_CALLS[call]()  # outside the context, the same call runs on every rank
+
+
 def test_ranks_that_disagree_on_no_sync_are_named(world):
     rank, size = world.Get_rank(), world.Get_size()
     if size == 1:
