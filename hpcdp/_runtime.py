@@ -476,12 +476,13 @@ def model_collectives():
         _model_calls.depth = depth
 
 
-def check_answerable(rt: _Runtime, what: str) -> None:
-    """Raise before collective ``what`` starts if ranks that ran out of inputs shadow this
-    rank's steps inside ``join()``: they answer the model's collectives only, so this one
-    would wait for them until the stall watchdog."""
+def check_answerable(rt: _Runtime, call: str, name: str | None = None) -> None:
+    """Raise before collective ``call`` (of tensor ``name``) starts if ranks that ran out of
+    inputs shadow this rank's steps inside ``join()``: they answer the model's collectives
+    only, so this one would wait for them until the stall watchdog."""
     if rt.join_shadowing is not None and not getattr(_model_calls, "depth", 0):
         from .errors import UnevenInputsError
+        what = call if name is None else f"{call} of {name!r}"
         raise UnevenInputsError(
             f"rank {rt.rank}: {what} inside {rt.join_shadowing}: those ranks shadow the model's "
             "own collectives only and cannot answer this one. Make it outside the join context "

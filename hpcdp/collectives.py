@@ -362,7 +362,7 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     """
     rt = runtime("allreduce_async()")
     buf = as_buffer(x, name or "tensor")
-    check_answerable(rt, f"allreduce_async of {buf.name!r}")
+    check_answerable(rt, "allreduce_async", buf.name)
     return rt.engine.submit(*_prepare_allreduce(rt, x, buf, _parse_op(op, buf), check, False, stats,
                                                 compression, state, on_step, algo))
 
@@ -372,7 +372,7 @@ def allreduce(x, op: str = "sum", name: str | None = None, check: bool = True,
     """In-place allreduce of ``x`` (blocking); returns ``x``. See :func:`allreduce_async`."""
     rt = runtime("allreduce()")
     buf = as_buffer(x, name or "tensor")
-    check_answerable(rt, f"allreduce of {buf.name!r}")
+    check_answerable(rt, "allreduce", buf.name)
     opcode = _parse_op(op, buf)
     if stats is None and compression is None and _one_round_here(rt, buf, opcode, check, algo):
         return x
@@ -527,7 +527,7 @@ def _prepare_broadcast(rt, x, root, name):
     if not 0 <= root < rt.size:
         raise ValueError(f"broadcast root {root} is not a rank of this job (size {rt.size})")
     buf = as_buffer(x, name or "tensor")
-    check_answerable(rt, f"broadcast of {buf.name!r}")
+    check_answerable(rt, "broadcast", buf.name)
     ctx = OpContext(rt.comm, rt.MPI, rt.engine.next_tag(), yield_cpu=rt.engine.yield_cpu,
                     rank=rt.rank, size=rt.size)
     return _broadcast_gen(rt, ctx, buf, root), f"broadcast({buf.name})", x, ctx.where

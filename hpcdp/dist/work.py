@@ -180,7 +180,8 @@ def submit(group, gen, name: str, value, where=None, blocking: bool = False,
     Work is done (or failed) when this returns. With tracing on (``group.tracer``) the call
     is recorded, of ``nbytes`` (default: the bytes of ``value``'s tensors)."""
     label = f"{name}{group.label}"
-    check_answerable(group.rt, f"torch.distributed {label}")
+    if group.rt.join_shadowing is not None:  # (the message only where it may be needed)
+        check_answerable(group.rt, f"torch.distributed {label}")
     engine = group.rt.engine
     traced = None
     if group.tracer is not None:
