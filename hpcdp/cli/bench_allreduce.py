@@ -88,15 +88,6 @@ def _device_runners(elems, rt, comm, groups, check, algos=()) -> dict:
     import hpcdp
     buf = torch.zeros(elems, dtype=torch.float32, device=rt.device)
     sync = torch.cuda.synchronize
-
-    def ours():
-        hpcdp.allreduce(buf, check=check)
-        sync()
-
-    def ours_async():
-        hpcdp.allreduce_async(buf, check=check).wait()
-        sync()
-
     if rt.cuda_aware:
         def native():
             sync()  # MPI reads device memory: the producing stream must be done
@@ -110,25 +101,24 @@ def _device_runners(elems, rt, comm, groups, check, algos=()) -> dict:
             comm.Allreduce(MPI.IN_PLACE, host_np, op=MPI.SUM)
             buf.copy_(host, non_blocking=True)
             sync()
-    runners = {"hpcdp": ours, "hpcdp_async": ours_async, "native": native}
+    runners = {"hpcdp": _synced(lambda: hpcdp.allreduce(buf, check=check), sync),
+               "hpcdp_async": _synced(lambda: hpcdp.allreduce_async(buf, check=check).wait(), sync),
+               "native": native}
     for algo in algos:
         runners[algo] = _synced(allreduce_by(algo, buf, check), sync)
-    for name, group in (groups or {}).items():
-        runners[name] = functools.partial(_torch_call, buf.clone(), group, sync)
+    if groups:
+        import torch.distributed as dist
+        for name, group in groups.items():
+            runners[name] = _synced(functools.partial(dist.all_reduce, buf.clone(), group=group), sync)
     return runners
 
 
 def _synced(call, sync):
+    """``call``, then a device synchronisation: a time covers the data being back on the GPU."""
     def run():
         call()
         sync()
     return run
-
-
-def _torch_call(t, group, sync) -> None:
-    import torch.distributed as dist
-    dist.all_reduce(t, group=group)
-    sync()
 
 
 def _parser() -> argparse.ArgumentParser:
