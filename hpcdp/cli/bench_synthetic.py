@@ -232,9 +232,9 @@ def _check(args):
     if isinstance(comps, str):
         return comps
     if args.join:
-        from ..compress.base import RingCompressor
         from ..compress.registry import get_compressor
-        if any(c is not None and not isinstance(get_compressor(c), RingCompressor) for c in comps):
+        from ..torch.join import shadows_exactly
+        if not all(c is None or shadows_exactly(get_compressor(c)) for c in comps):
             return "--join takes no onebit or powersgd: their per-rank state cannot shadow a step"
     if min(args.batch_size, args.num_batches_per_iter, args.num_iters) < 1 or args.num_warmup_batches < 0:
         return "--batch-size, --num-batches-per-iter and --num-iters must be >= 1, warm-up >= 0"

@@ -41,9 +41,16 @@ from ..compress.base import RingCompressor
 from ..errors import MismatchError, UnevenInputsError
 from .functions import broadcast_optimizer_state, broadcast_tensors
 
-__all__ = ["Join"]
+__all__ = ["Join", "shadows_exactly"]
 
 _TRAINS, _SYNCS, _BACKWARD = 1, 2, 4  # one byte per rank in a join round
+
+
+def shadows_exactly(compressor) -> bool:
+    """Whether a rank without data can contribute an exact zero through ``compressor`` (a
+    compressor object or None): stateless ring codecs can; 1-bit and PowerSGD keep per-rank
+    state (residuals, memories) and cannot."""
+    return compressor is None or isinstance(compressor, RingCompressor)
 
 
 class Join:
@@ -82,7 +89,7 @@ class Join:
         reducer = self.reducer
         if reducer.momentum is not None:
             name = type(reducer.momentum).__name__
-        elif reducer.compressor is None or isinstance(reducer.compressor, RingCompressor):
+        elif shadows_exactly(reducer.compressor):
             return
         else:
             name = reducer.compressor.name
