@@ -99,12 +99,18 @@ class DistributedDataParallel(torch.nn.Module):
                                first_bucket_mb=first_bucket_mb, overlap=overlap,
                                find_unused=find_unused_parameters, as_view=gradient_as_bucket_view,
                                should_sync=lambda: self._require_sync, wait_at_end=True,
-                               compression=compression, algo=algo)
-        self._tied = TiedEmbeddings(module, self.reducer) if split_tied_embeddings else None
+                               compression=compression, algo=algo, frozen=frozen)
+        self._split_tied = split_tied_embeddings
+        self._tied = None
+        self._find_ties()
+        self.reducer.on_retarget = self._find_ties  # the trainable set changed: new indices
         self.reducer.attach_tracer(open_step_tracer(rt, trace, _OWNER, named, compression, {
             "bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
             "find_unused_parameters": find_unused_parameters, "broadcast_buffers": broadcast_buffers,
             "gradient_as_bucket_view": gradient_as_bucket_view, "algo": algo or rt.algo}))
+
+    def _find_ties(self) -> None:
+        self._tied = TiedEmbeddings(self.module, self.reducer) if self._split_tied else None
 
     def forward(self, *args, **kwargs):
         # a forward without autograd (evaluation under no_grad) is not part of a training step
@@ -187,7 +193,7 @@ class DistributedDataParallel(torch.nn.Module):
         if not enable:
             return contextlib.nullcontext()
         return Join(self.reducer, self._replicated, optimizer, throw_on_early_termination,
-                    broadcast_buffers=self._broadcast_buffers, tied=self._tied or None)
+                    broadcast_buffers=self._broadcast_buffers, tied=lambda: self._tied or None)
 
     def state_dict(self, *args, **kwargs):
         """The wrapped module's state dict (no ``module.`` prefix)."""

@@ -58,8 +58,8 @@ class Join:
 
     ``reducer``: the wrapper's buckets (``reducer.join`` holds the active context);
     ``replicated``: the tensors made identical at the end (parameters, buffers);
-    ``broadcast_buffers(root)`` and ``tied`` (DDP's): what a shadowed step receives
-    besides the buckets; ``in_backward``: the reducer starts the training rounds (no
+    ``broadcast_buffers(root)`` and ``tied()`` (DDP's: its current tied embeddings, or None):
+    what a shadowed step receives besides the buckets; ``in_backward``: the reducer starts the training rounds (no
     forward to start them). After the context, ``shadowed`` is the number of steps this
     rank shadowed and ``last_rank`` the rank whose state every rank now holds (None when
     no rank shadowed a step, so none was sent)."""
@@ -175,13 +175,13 @@ class Join:
 
     def _shadow_until_all_joined(self) -> None:
         reducer = self.reducer
-        reducer.tied = self.tied
         while True:
             root, sync, backward = self._round(0)
             if root is not None:
                 if self.broadcast_buffers is not None:
                     self.broadcast_buffers(root)
                 if sync:
+                    reducer.tied = None if self.tied is None else self.tied()
                     reducer.shadow(backward)
                 self.shadowed += 1
             if reducer.tracer is not None:

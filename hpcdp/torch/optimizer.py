@@ -34,7 +34,7 @@ _OWNER = "hpcdp.DistributedOptimizer"
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class."""
 
-    def _hpcdp_setup(self, named_parameters, backward_passes_per_step, bucket_cap_mb,
+    def _hpcdp_setup(self, named_parameters, frozen, backward_passes_per_step, bucket_cap_mb,
                      first_bucket_mb, overlap, compression, trace):
         rt = runtime(_OWNER)
         self._hpcdp_passes = 0
@@ -46,7 +46,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                       first_bucket_mb=first_bucket_mb, overlap=overlap,
                                       find_unused=True, as_view=False,
                                       should_sync=self._hpcdp_count_pass, wait_at_end=False,
-                                      compression=compression)
+                                      compression=compression, frozen=frozen)
         config = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
                   "backward_passes_per_step": backward_passes_per_step}
         self._hpcdp_reducer.attach_tracer(
@@ -171,10 +171,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
                              f"not named. Python object ids: {', '.join(map(str, unnamed))}")
         wanted = {id(p) for p in params}
         named = [(n, p) for n, p in named if id(p) in wanted]
+    frozen = [(n, p) for n, p in named if not p.requires_grad]
     named = [(n, p) for n, p in named if p.requires_grad]
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     dist = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)
-    dist._hpcdp_setup(named, backward_passes_per_step, bucket_cap_mb, first_bucket_mb, overlap,
-                      compression, trace)
+    dist._hpcdp_setup(named, frozen, backward_passes_per_step, bucket_cap_mb, first_bucket_mb,
+                      overlap, compression, trace)
     return dist

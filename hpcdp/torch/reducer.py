@@ -24,7 +24,15 @@ gradients at no extra cost: in strict mode the number of parameters that got
 no gradient (non-zero on any rank means: every rank raises
 :class:`UnusedParametersError`), with ``find_unused_parameters`` a presence
 flag per parameter (zero after averaging means: no rank has a gradient for
-it, and its ``.grad`` is left alone, as in single-process training).
+it, and its ``.grad`` is left alone, as in single-process training); last, the
+number of parameters whose ``requires_grad`` no longer matches the layout.
+
+Freezing and unfreezing: the parameters frozen when the reducer was made are
+watched. When the tail says that some rank's trainable set changed, every rank
+compares its ``requires_grad`` flags (one allgather; ranks that differ raise
+:class:`ModelMismatchError` on every rank), averages the gradients of the newly
+trainable parameters (which reached ``.grad`` without a bucket) and lays the
+buckets out again over the new set (learning their order in the next pass).
 
 After the first synchronised iteration the buckets are laid out again in the
 order rank 0 observed the gradients arrive, broadcast so every rank agrees.
@@ -45,12 +53,13 @@ import numpy as np
 import torch
 
 from .._runtime import model_collectives, runtime
-from ..collectives import ALGOS, allreduce_async, broadcast
+from ..collectives import ALGOS, allreduce, allreduce_async, broadcast
 from ..comm import hugepages
 from ..compress import NoCompression, get_compressor, resolve
 from .buckets import plan_buckets
 from .guard import DivergenceGuard
-from ..errors import UnusedParametersError
+from ..comm.engine import rank_ranges
+from ..errors import ModelMismatchError, UnusedParametersError
 from ..objects import allgather_object
 
 __all__ = ["Reducer"]
@@ -157,7 +166,7 @@ class Reducer:
 
     def __init__(self, named_params, owner: str, *, bucket_cap_mb: float, first_bucket_mb: float,
                  overlap: bool, find_unused: bool, as_view: bool, should_sync, wait_at_end: bool,
-                 compression=None, algo=None):
+                 compression=None, algo=None, frozen=()):
         self.rt = runtime(owner)
         self.owner = owner
         self.names = [n for n, _ in named_params]
@@ -199,15 +208,19 @@ class Reducer:
         self.tracer = None
         self.tied = None  # a TiedEmbeddings the owner's forward splits (hpcdp.torch.tied)
         self.guard = DivergenceGuard(owner, self.rt.rank)
-        self._tail_len = len(self.params) if find_unused else 1
+        # every parameter the owner has, in a fixed order: requires_grad is compared across
+        # ranks over this list; ``frozen``: those outside the layout now
+        self._watched = list(named_params) + list(frozen)
+        self.frozen = [p for _, p in frozen]
+        self.on_retarget = None  # the owner's callback after the trainable set changed
         self._relaid_out = False
         self.layout_root = 0  # the rank whose observed gradient order the buckets follow
         self.join = None      # the owner's active join() context (hpcdp.torch.join)
+        self._hooks = []
+        self._tail_len = self._tail_length()
         self._layout(list(reversed(range(len(self.params)))))
         self._reset()
-        for i, p in enumerate(self.params):
-            p._hpcdp_reducer_owner = owner
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
+        self._attach()
         if self.compressor is not None and self.compressor.name == "onebit":
             _watch_optimizer(self)
 
@@ -287,6 +300,11 @@ class Reducer:
         if order != self.order:
             self._apply_order(order)
 
+    def _tail_length(self) -> int:
+        """The control tail: a presence flag per parameter (``find_unused``) or the count of
+        missing gradients, then the count of parameters whose trainability changed."""
+        return (len(self.params) if self.find_unused else 1) + 1
+
     def _apply_order(self, order: list[int]) -> None:
         """Lay the buckets out in ``order``, moving bucket-view gradients along.
 
@@ -294,17 +312,28 @@ class Reducer:
         (1-bit: the residuals of the steps before, usually one, are forgotten and
         its warm-up counts again from here)."""
         self.rt.codec_states.clear(self.state_prefix)
-        old_bucket_of, old_slot_of = self.bucket_of, self.slot_of
+        views = self._grad_views()
         self._layout(order)
+        self._move_grads(views)
+
+    def _grad_views(self) -> dict:
+        """``id(p)``: the bucket view of each parameter whose ``.grad`` is that view."""
         if not self.as_view:
-            return
+            return {}
+        views = {}
+        for i, p in enumerate(self.params):
+            b = self.bucket_of[i]
+            if not b.direct and p.grad is not None and _same_memory(p.grad, b.views[self.slot_of[i]]):
+                views[id(p)] = p.grad
+        return views
+
+    def _move_grads(self, views: dict) -> None:
+        """Copy the gradients :meth:`_grad_views` found into the present layout's views."""
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                ob, nb = old_bucket_of[i], self.bucket_of[i]
-                if ob.direct or nb.direct or p.grad is None:
-                    continue
-                if _same_memory(p.grad, ob.views[old_slot_of[i]]):
-                    view = nb.views[self.slot_of[i]]
+                b = self.bucket_of[i]
+                if id(p) in views and not b.direct:
+                    view = b.views[self.slot_of[i]]
                     view.copy_(p.grad)
                     p.grad = view
 
@@ -319,6 +348,7 @@ class Reducer:
         self._next = 0            # next bucket to launch
         self._launched: list[_Bucket] = []
         self._missing: list[int] = []
+        self._frozen_now = 0      # parameters of the layout frozen since it was made
         for b in self.buckets:
             b.pending = len(b.members)
             b.handle = None
@@ -344,6 +374,18 @@ class Reducer:
             self._reset()
 
     # -- hooks -----------------------------------------------------------------------
+    def _attach(self) -> None:
+        for i, p in enumerate(self.params):
+            p._hpcdp_reducer_owner = self.owner
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+
+    def _detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for p in self.params:
+            del p._hpcdp_reducer_owner
+
     def _make_hook(self, i: int):
         def hook(p):
             self._on_grad(i, p)
@@ -465,12 +507,14 @@ class Reducer:
 
     def _fill_tail(self, tail: torch.Tensor) -> None:
         if self._shadow:
-            tail.zero_()  # no parameter present, none missing
-        elif self.find_unused:
+            tail.zero_()  # no parameter present, none missing, nothing changed
+            return
+        if self.find_unused:
             present = [self._ready[i] or self.params[i].grad is not None for i in range(len(self.params))]
-            tail.copy_(torch.tensor(present, dtype=tail.dtype))
+            tail[:-1].copy_(torch.tensor(present, dtype=tail.dtype))
         else:
-            tail.fill_(len(self._missing))
+            tail[0] = len(self._missing)
+        tail[-1] = self._frozen_now + sum(p.requires_grad for p in self.frozen)
 
     # -- end of backward -------------------------------------------------------------------
     def _end_of_backward(self) -> None:
@@ -489,9 +533,11 @@ class Reducer:
 
     def flush(self) -> None:
         """Fill in parameters that got no gradient and launch every remaining bucket."""
-        self._missing = [i for i, r in enumerate(self._ready) if not r]
+        absent = [i for i, r in enumerate(self._ready) if not r]
+        self._missing = [i for i in absent if self.params[i].requires_grad]
+        self._frozen_now = len(absent) - len(self._missing)
         with torch.no_grad():
-            for i in self._missing:
+            for i in absent:
                 p, b = self.params[i], self.bucket_of[i]
                 if b.direct:
                     if p.grad is None:
@@ -514,7 +560,7 @@ class Reducer:
         self._sync = True
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                if p.grad is not None:
+                if p.grad is not None and p.requires_grad:
                     self._ready[i] = True
                     if not self.bucket_of[i].direct:
                         self._copy_in(i, p, self.bucket_of[i])
@@ -567,16 +613,19 @@ class Reducer:
         self._account(launched, t0, t1)
         self._guard(launched)
         tail = self.buckets[-1].tail.tolist()
+        changed = tail[-1] > 0  # some rank's trainable set is not the layout's
         missing, seen, shadow, backward = self._missing, self._seen, self._shadow, self._backward
         self._reset()
         self.stats["iterations"] += 1
+        if changed:
+            self._check_trainable(shadow)
         if not self.find_unused and tail[0] > 0:
             self._raise_unused(missing)
-        present = [t > 0 for t in tail] if self.find_unused else None
+        present = [t > 0 for t in tail[:-1]] if self.find_unused else None
         with torch.no_grad():
             for b in launched:
                 if b.direct:
-                    if b.zeros is not None and (shadow or present[b.members[0]]):
+                    if b.zeros is not None and (shadow or (present is not None and present[b.members[0]])):
                         self.params[b.members[0]].grad = b.zeros
                     continue
                 for i, view in zip(b.members, b.views):
@@ -590,7 +639,9 @@ class Reducer:
             self.tied.apply()
         if self.momentum is not None:
             self.momentum.exchanged()
-        if backward and not self._relaid_out:  # every rank alike, whatever reached its hooks
+        if changed:
+            self._retarget(contribute=not shadow)
+        elif backward and not self._relaid_out:  # every rank alike, whatever reached its hooks
             self._relayout(seen)
 
     def _account(self, launched, t0: int, t1: int) -> None:
@@ -619,6 +670,79 @@ class Reducer:
                 b.codec = None
                 self.guard.after(b.spec.index, data, comp, state, self.momentum is not None)
         self.guard.end_iteration()
+
+    # -- freezing and unfreezing -----------------------------------------------------------
+    def _check_trainable(self, shadow: bool) -> None:
+        """Collective: raise :class:`ModelMismatchError` on every rank unless the ranks that
+        train this step have the same parameters requiring grad. A rank that shadows the
+        step inside ``join()`` takes the lowest training rank's flags."""
+        flags = "".join("1" if p.requires_grad else "0" for _, p in self._watched)
+        with model_collectives():
+            everyone = allgather_object((shadow, flags))
+        training = [r for r, (s, _) in enumerate(everyone) if not s]
+        ours = [everyone[r][1] for r in training]
+        differ = [k for k in range(len(flags)) if len({f[k] for f in ours}) > 1]
+        if not differ:
+            if shadow:
+                for (_, p), f in zip(self._watched, ours[0]):
+                    p.requires_grad_(f == "1")
+            return
+        k = differ[0]
+        on = [r for r, f in zip(training, ours) if f[k] == "1"]
+        off = [r for r, f in zip(training, ours) if f[k] == "0"]
+        more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+        raise ModelMismatchError(
+            f"rank {self.rt.rank}: {self.owner}: the parameters that require grad differ across "
+            f"ranks: {self._watched[k][0]!r}{more} requires grad on ranks {rank_ranges(on)} but not "
+            f"on ranks {rank_ranges(off)}. Every rank must freeze and unfreeze the same parameters "
+            "before the same backward pass.")
+
+    def _retarget(self, contribute: bool) -> None:
+        """Collective, after a step in which the trainable set changed alike on every rank
+        (steps of the module docstring): average the newly trainable parameters' gradients
+        (``contribute``: this rank's, else zeros), then lay the buckets out over the
+        parameters that require grad now."""
+        names = [n for n, p in self._watched if p.requires_grad]
+        if self.momentum is not None:
+            raise ValueError(
+                f"rank {self.rt.rank}: {self.owner}: the parameters that require grad changed, and "
+                f"{type(self.momentum).__name__} keeps its momentum per bucket of a fixed set of "
+                "parameters; freeze parameters before building the model's optimizer, or make a new "
+                "optimizer after changing them")
+        if not names:
+            raise ValueError(f"rank {self.rt.rank}: {self.owner}: no parameter requires grad any more")
+        known = {id(p) for p in self.params}
+        fresh = [(n, p) for n, p in self._watched if p.requires_grad and id(p) not in known]
+        self._average(fresh, contribute)
+        views = self._grad_views()
+        self._detach()
+        self.names = names
+        self.params = [p for _, p in self._watched if p.requires_grad]
+        self.frozen = [p for _, p in self._watched if not p.requires_grad]
+        self._tail_len = self._tail_length()
+        self.rt.codec_states.clear(self.state_prefix)
+        self._layout(list(reversed(range(len(self.params)))))
+        self._move_grads(views)
+        self._relaid_out = False  # the next synchronised pass shows the new order
+        self._reset()
+        self._attach()
+        if self.on_retarget is not None:
+            self.on_retarget()
+
+    def _average(self, named, contribute: bool) -> None:
+        """Average each parameter's ``.grad`` (None: zeros) across ranks, one allreduce
+        each; a parameter that no rank has a gradient for keeps ``.grad = None``."""
+        if not named:
+            return
+        have = np.array([contribute and p.grad is not None for _, p in named], dtype=np.float64)
+        with torch.no_grad(), model_collectives():
+            allreduce(have, op="sum", name=f"{self.owner} newly trainable")
+            for (name, p), n in zip(named, have):
+                if n == 0:
+                    continue
+                g = p.grad.contiguous() if contribute and p.grad is not None else torch.zeros_like(p)
+                allreduce(g, op="avg", name=name, algo=self.algo)
+                p.grad = g
 
     def _raise_unused(self, missing: list[int]) -> None:
         names = [self.names[i] for i in missing]

@@ -39,15 +39,18 @@ class Reference:
         self.states = {}              # (bucket layout key, bucket index) -> N OneBitStates
 
     def step(self, grads, buckets):
-        """``grads[r][i]``: rank r's local gradient of parameter i; ``buckets``: (index, members)."""
+        """``grads[r][i]``: rank r's local gradient of parameter i; ``buckets``: (index,
+        members, tail), ``tail`` the length of the control tail the bucket carries (zeros
+        here; it moves the exact ring's chunk boundaries)."""
         with torch.no_grad():
             if self.steps < self.warmup:
-                for _, members in buckets:
-                    avg = ring_average([_flat(g, members) for g in grads])
+                for _, members, tail in buckets:
+                    zeros = np.zeros(tail, np.float32)
+                    avg = ring_average([np.concatenate([_flat(g, members), zeros]) for g in grads])
                     for i, a in zip(members, _split(avg, members, self.params)):
                         self._exact(i, a)
             else:
-                for index, members in buckets:
+                for index, members, _ in buckets:
                     self._compressed_bucket(index, members, grads)
         self.steps += 1
 

@@ -79,9 +79,10 @@ def _train(world, make_opt, kind, steps, caps=(1, 25), **hyper):
         opt.zero_grad()
         _loss(ddp, x[lo:hi], y[lo:hi], size).backward()
         opt.step()
-        buckets = [(b.spec.index, list(b.members)) for b in ddp.reducer.buckets]
+        buckets = [(b.spec.index, list(b.members), 0 if b.tail is None else b.tail.numel())
+                   for b in ddp.reducer.buckets]
         if layout != ddp.bucket_layout():  # re-laid out after the first step: residuals dropped
-            buckets_then = _buckets_of(layout, ddp.reducer.names)
+            buckets_then = _buckets_of(layout, ddp.reducer.names, buckets[-1][2])
             ref.step(grads, buckets_then)
             ref.forget_states()
         else:
@@ -89,9 +90,10 @@ def _train(world, make_opt, kind, steps, caps=(1, 25), **hyper):
     return model, ref_model, ddp, opt
 
 
-def _buckets_of(layout, names):
+def _buckets_of(layout, names, tail):
     index = {n: i for i, n in enumerate(names)}
-    return [(k, [index[n] for n in bucket]) for k, bucket in enumerate(layout)]
+    last = len(layout) - 1
+    return [(k, [index[n] for n in bucket], tail if k == last else 0) for k, bucket in enumerate(layout)]
 
 
 def _assert_bits(model, ref_model):

@@ -97,6 +97,31 @@ def test_split_trains_like_one_process_and_reduces_the_tied_weight_first(world, 
     assert WEIGHT in plain.bucket_layout()[-1]
 
 
+def test_a_tied_embedding_unfrozen_during_training_is_split_from_then_on(world):
+    """Frozen when the wrapper is made, the tied weight is not split (nor in a bucket);
+    unfrozen at step 2 it is averaged that step and split from the next one."""
+    ref, model = _TinyLM(), _TinyLM()
+    for m in (ref, model):
+        m.emb.weight.requires_grad_(False)
+    ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=0.0005, bucket_cap_mb=0.002)
+    assert not ddp._tied
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    for step, (x, y) in enumerate(_batches(4, seed=5)):
+        if step == 2:
+            for m in (ref, model):
+                m.emb.weight.requires_grad_(True)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _local_step(world, ddp, x, y, x.numel())
+        _loss(ref(x), y, 1 / x.numel()).backward()
+        opt.step()
+        ref_opt.step()
+        _assert_close(model, ref, f"step {step}")
+    assert ddp._tied.names == [WEIGHT]
+    _gather_equal(world, hpcdp.check_replicas(model))
+
+
 def test_no_sync_accumulates_the_rows_locally(world):
     ref, model = _TinyLM(), _TinyLM()
     ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=0.0005, bucket_cap_mb=0.002)
