@@ -52,8 +52,8 @@ def test_all_modes_and_the_bucket_sweep_report_one_record_each():
         assert by_mode[(peer, None)]["bytes_sent_per_step"] is None
     # ring at np=2 (the job runs with HPCDP_ALGO=ring: the shared-memory algorithms send
     # nothing): a rank sends half of every bucket twice (reduce-scatter, allgather); the last
-    # bucket carries a one-element control tail
-    expected = (parameter_count("mlp-small") + 1) * 4
+    # bucket carries a two-element control tail (missing gradients, changed trainability)
+    expected = (parameter_count("mlp-small") + 2) * 4
     for key in (("hpcdp", 25.0), ("hpcdp-sync", 25.0), ("hpcdp-copy", 25.0), ("hpcdp", 1.0)):
         assert by_mode[key]["bytes_sent_per_step"] == pytest.approx(expected, rel=1e-5)
     assert len(summary) == 1 and {"hpcdp_over_naive", "hpcdp_over_ddp", "exposed_hpcdp_over_naive",
@@ -102,7 +102,7 @@ def test_algorithms_side_by_side_in_one_run():
         ("naive", None, None), ("hpcdp", "ring", None), ("hpcdp", "shm", None),
         ("hpcdp", "ring", "powersgd:2"), ("hpcdp", "shm", "powersgd:2")], train
     sent = {(r["algo"], r["compression"]): r["bytes_sent_per_step"] for r in train if r["mode"] == "hpcdp"}
-    assert sent[("ring", None)] == pytest.approx((parameter_count("digits") + 1) * 4, rel=1e-5)
+    assert sent[("ring", None)] == pytest.approx((parameter_count("digits") + 2) * 4, rel=1e-5)
     assert 0 < sent[("ring", "powersgd:2")] < sent[("ring", None)]
     assert sent[("shm", None)] == sent[("shm", "powersgd:2")] == 0
     assert {"hpcdp_over_naive", "hpcdp_algo_shm_over_hpcdp_algo_ring",
