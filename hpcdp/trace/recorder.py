@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -447,9 +448,10 @@ def open_recorder(comm, path: str | os.PathLike | None = None, *, level: int | N
 
     ``path`` (the run directory) defaults to ``$HPCDP_TRACE``; with neither, every
     rank gets a :class:`NullRecorder`. ``level`` defaults to ``$HPCDP_TRACE_LEVEL``
-    or 1. All ranks must name the same directory. Rank 0 removes rank files of
-    an earlier run beyond this world size, every rank overwrites its own file;
-    then the clocks are aligned to rank 0 and MPI versions go into the metadata.
+    or 1. All ranks must name the same directory. Rank 0 moves an earlier run's rank
+    files into ``PATH.YYYYmmdd-HHMMSS`` (the time of that run's last write), so nothing
+    is overwritten; then the clocks are aligned to rank 0 and MPI versions go into the
+    metadata.
     """
     if path is None:
         path = os.environ.get("HPCDP_TRACE") or None
@@ -476,22 +478,45 @@ def _same_directory(comm, path) -> None:
 
 
 def _prepare_directory(comm, path) -> str:
-    """Collective: rank 0 creates ``path`` and removes rank files beyond this world size;
-    returns the run id (rank 0's), or raises rank 0's error on every rank."""
+    """Collective: rank 0 creates ``path`` and moves an earlier run's rank files aside
+    (:func:`_keep_earlier_run`); returns the run id (rank 0's), or raises rank 0's error
+    on every rank."""
     error = None
     if comm.Get_rank() == 0:
         try:
             os.makedirs(path, exist_ok=True)
-            for name in os.listdir(path):
-                r = parse_rank_filename(name)
-                if r is not None and r >= comm.Get_size():
-                    os.remove(os.path.join(path, name))
+            _keep_earlier_run(path)
         except OSError as e:
             error = f"{path}: cannot prepare the trace directory: {e}"
     run_id, error = comm.bcast((uuid.uuid4().hex, error) if comm.Get_rank() == 0 else None, root=0)
     if error:
         raise TraceError(error)
     return run_id
+
+
+def _keep_earlier_run(path) -> str | None:
+    """Move the rank files an earlier run left in ``path`` into a new sibling directory
+    named after that run's last write, ``PATH.YYYYmmdd-HHMMSS`` (``-2``, ``-3``, ... if
+    taken), and say so on stderr; other files stay. Returns the new directory, or None
+    when ``path`` holds no rank files or this process is writing them (refused later)."""
+    names = [n for n in os.listdir(path) if parse_rank_filename(n) is not None]
+    if not names or any(os.path.abspath(os.path.join(path, n)) in _OPEN for n in names):
+        return None
+    last = max(os.path.getmtime(os.path.join(path, n)) for n in names)
+    base = f"{os.path.normpath(path)}.{time.strftime('%Y%m%d-%H%M%S', time.localtime(last))}"
+    kept, k = base, 1
+    while True:
+        try:
+            os.mkdir(kept)
+            break
+        except FileExistsError:
+            k += 1
+            kept = f"{base}-{k}"
+    for n in names:
+        os.replace(os.path.join(path, n), os.path.join(kept, n))
+    print(f"hpcdp.trace: {path} held an earlier run's trace ({len(names)} rank files); moved them to "
+          f"{kept}", file=sys.stderr, flush=True)
+    return kept
 
 
 def _open_everywhere(comm, path, run_id, level, flush_every, flush_interval) -> Recorder:

@@ -12,6 +12,7 @@ import pytest
 
 from hpcdp.trace import (EventKind as K, NullRecorder, Recorder, TraceError, align_clocks, load,
                          open_recorder, summarize)
+from hpcdp.trace.format import rank_filename
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
@@ -124,13 +125,19 @@ def test_a_bad_level_fails_on_every_rank(comm, mpi_tmp_path, monkeypatch):
         open_recorder(comm, str(mpi_tmp_path / "badlevel"))
 
 
-def test_rerun_with_fewer_ranks_replaces_the_old_run(comm, mpi_tmp_path):
+def test_a_rerun_keeps_the_earlier_run_beside_it(comm, mpi_tmp_path, capfd):
+    """An earlier run with one rank more left its files (and a plot) in the directory: they
+    move to RUN.<time of its last write>, the plot stays, the new run has the directory."""
     rank, size = comm.Get_rank(), comm.Get_size()
     run = str(mpi_tmp_path / "rerun")
-    if rank == 0:  # an earlier run with one rank more left its files here
+    if rank == 0:
         for r in range(size + 1):
             with Recorder(run, r, size + 1, run_id="old") as rec:
                 rec.step(0, 1, 0)
+        open(os.path.join(run, "plot.png"), "w").close()
+        os.utime(os.path.join(run, rank_filename(0)), (0, 1_700_000_000))
+        for r in range(1, size + 1):
+            os.utime(os.path.join(run, rank_filename(r)), (0, 1_600_000_000))
     comm.Barrier()
     rec = open_recorder(comm, run, rounds=2)
     rec.step(rec.now(), rec.now(), 0)
@@ -138,4 +145,18 @@ def test_rerun_with_fewer_ranks_replaces_the_old_run(comm, mpi_tmp_path):
     comm.Barrier()
     trace = load(run)
     assert trace.world_size == size and trace.run_id != "old"
-    assert sorted(os.listdir(run)) == [f"rank{r:05d}.h5" for r in range(size)]
+    assert sorted(os.listdir(run)) == ["plot.png"] + [rank_filename(r) for r in range(size)]
+    kept = f"{run}.{time.strftime('%Y%m%d-%H%M%S', time.localtime(1_700_000_000))}"
+    old = load(kept)
+    assert old.run_id == "old" and old.world_size == size + 1
+    assert sorted(os.listdir(kept)) == [rank_filename(r) for r in range(size + 1)]
+    if rank == 0:
+        assert f"moved them to {kept}" in capfd.readouterr().err
+    comm.Barrier()
+    if rank == 0:  # a third run keeps the second one too, under a name of its own
+        for r in range(size):
+            os.utime(os.path.join(run, rank_filename(r)), (0, 1_700_000_000))
+    comm.Barrier()
+    open_recorder(comm, run, rounds=2).close()
+    comm.Barrier()
+    assert load(f"{kept}-2").run_id == trace.run_id
