@@ -64,6 +64,21 @@ def _assert_close(model, ref, step, **tol):
         assert (p.grad is None) == (q.grad is None), f"step {step}, {name}: grad {p.grad} vs {q.grad}"
 
 
+def _train_under_schedule(world, model, wrapped, opt, ref, ref_opt, after_step=None):
+    """``model`` (through ``wrapped``) and the reference trained step by step under the
+    schedule; after each step they agree, then ``after_step(step)``."""
+    for step, (x, y) in enumerate(_batches()):
+        _schedule(model, step)
+        _schedule(ref, step)
+        opt.zero_grad()
+        _local_backward(wrapped, x, y, world)
+        opt.step()
+        _reference_step(ref, ref_opt, x, y)
+        _assert_close(model, ref, step)
+        if after_step is not None:
+            after_step(step)
+
+
 def _gather_equal(world, obj):
     everyone = world.allgather(obj)
     assert all(o == everyone[0] for o in everyone), everyone
@@ -87,18 +102,14 @@ def test_ddp_follows_freezing_and_unfreezing_like_single_process(world, find_unu
                                         gradient_as_bucket_view=as_view)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step, (x, y) in enumerate(_batches()):
-        _schedule(model, step)
-        _schedule(ref, step)
-        opt.zero_grad()
-        _local_backward(ddp, x, y, world)
-        opt.step()
-        _reference_step(ref, ref_opt, x, y)
-        _assert_close(model, ref, step)
+
+    def identical_and_laid_out(step):
         _gather_equal(world, hpcdp.check_replicas(model))
         # from the step after a change, the buckets hold exactly the trainable parameters
         laid_out = sorted(n for bucket in ddp.bucket_layout() for n in bucket)
         assert laid_out == _trainable_names(model), (step, laid_out)
+
+    _train_under_schedule(world, model, ddp, opt, ref, ref_opt, identical_and_laid_out)
     assert ddp.comm_stats["iterations"] == STEPS
 
 
@@ -111,14 +122,7 @@ def test_distributed_optimizer_follows_freezing_and_unfreezing(world):
                                      first_bucket_mb=0.0005)
     hpcdp.broadcast_parameters(model.state_dict(), root=0)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step, (x, y) in enumerate(_batches()):
-        _schedule(model, step)
-        _schedule(ref, step)
-        opt.zero_grad()
-        _local_backward(model, x, y, world)
-        opt.step()
-        _reference_step(ref, ref_opt, x, y)
-        _assert_close(model, ref, step)
+    _train_under_schedule(world, model, model, opt, ref, ref_opt)
     _gather_equal(world, hpcdp.check_replicas(model))
 
 
