@@ -12,9 +12,9 @@ from ._version import __version__
 from .collectives import (allreduce, allreduce_async, barrier, broadcast, broadcast_async,
                           synchronize)
 from .comm.engine import Handle
-from .errors import (CheckpointError, CommError, Error, MismatchError, ModelMismatchError,
-                     NotInitializedError, ReplicaMismatchError, TraceError, UnevenInputsError,
-                     UnusedParametersError)
+from .errors import (CheckpointError, CommError, Error, LaunchError, MismatchError,
+                     ModelMismatchError, NotInitializedError, ReplicaMismatchError, TraceError,
+                     UnevenInputsError, UnusedParametersError)
 from .objects import allgather_object, broadcast_object, gather_object, scatter_object
 
 _TORCH_NAMES = ("DistributedDataParallel", "DistributedOptimizer", "broadcast_parameters",
@@ -25,7 +25,8 @@ __all__ = [
     "init", "is_initialized", "finalize", "rank", "size", "local_rank", "local_size", "info",
     "allreduce", "allreduce_async", "synchronize", "broadcast", "broadcast_async", "barrier",
     "broadcast_object", "gather_object", "scatter_object", "allgather_object",
-    "Handle", "Error", "CommError", "MismatchError", "NotInitializedError", "CheckpointError",
+    "Handle", "Error", "CommError", "MismatchError", "NotInitializedError", "LaunchError",
+    "CheckpointError",
     "ModelMismatchError", "UnusedParametersError", "UnevenInputsError", "ReplicaMismatchError",
     "TraceError", *_TORCH_NAMES,
 ]

@@ -18,8 +18,9 @@ import threading
 import time
 import traceback
 
+from ._launch import alone_but_launched_with_others
 from .comm.engine import Engine
-from .errors import NotInitializedError
+from .errors import LaunchError, NotInitializedError
 
 __all__ = ["init", "is_initialized", "rank", "size", "local_rank", "local_size", "info",
            "finalize", "runtime", "NotInitializedError"]
@@ -43,6 +44,12 @@ class _Runtime:
                 "Let mpi4py initialise MPI with its default thread level ('multiple'), "
                 "or set HPCDP_PROGRESS=poll (needs 'serialized').")
         self.thread_level = provided
+        if comm is None:
+            vendor, version = MPI.get_vendor()
+            alone = alone_but_launched_with_others(MPI.COMM_WORLD.Get_size(), os.environ,
+                                                   f"{vendor} {'.'.join(map(str, version))}")
+            if alone is not None:
+                raise LaunchError(alone)
         self.world = comm if comm is not None else MPI.COMM_WORLD
         self.comm = self.world.Dup()
         self.rank = self.comm.Get_rank()

@@ -7,7 +7,7 @@ raised on every rank alike and name the rank, the tensor and what was expected.
 """
 from __future__ import annotations
 
-__all__ = ["Error", "NotInitializedError", "CommError", "MismatchError", "CheckpointError",
+__all__ = ["Error", "NotInitializedError", "LaunchError", "CommError", "MismatchError", "CheckpointError",
            "ModelMismatchError", "UnusedParametersError", "UnevenInputsError", "ReplicaMismatchError",
            "TraceError"]
 
@@ -18,6 +18,11 @@ class Error(Exception):
 
 class NotInitializedError(Error, RuntimeError):
     """An hpcdp function was called before :func:`hpcdp.init`."""
+
+
+class LaunchError(Error, RuntimeError):
+    """The launcher started this process with others, but MPI runs it alone (rank 0 of 1):
+    the launcher and the MPI library do not speak the same process-management interface."""
 
 
 class CommError(Error, RuntimeError):

@@ -88,6 +88,18 @@ def test_two_nodes_two_ranks(live):
 
 
 @pytest.mark.timeout(120)
+def test_srun_without_an_mpi_plugin_is_refused_by_hpcdp_init(live):
+    """Slurm's default --mpi=none gives each task an MPI world of its own; hpcdp.init()
+    refuses in each, with the fix, instead of training the model once per task."""
+    rc, out = live.sbatch_wait(job_script("import hpcdp; hpcdp.init(); print('TRAINING', flush=True)",
+                                          srun_args="--mpi=none -N 2 -n 2"), timeout=60)
+    assert rc != 0, out
+    assert "TRAINING" not in out, out
+    assert out.count("LaunchError: hpcdp.init(): srun started 2 processes (SLURM_STEP_NUM_TASKS=2)") == 2, out
+    assert "use srun --mpi=pmi2" in out, out
+
+
+@pytest.mark.timeout(120)
 def test_allreduce_crosses_shaped_links(live):
     cluster = live
     code = textwrap.dedent(f"""\
