@@ -104,6 +104,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._tied = None
         self._find_ties()
         self.reducer.on_retarget = self._find_ties  # the trainable set changed: new indices
+        self.reducer.in_model = lambda: {id(p) for p in module.parameters()}
         self.reducer.attach_tracer(open_step_tracer(rt, trace, _OWNER, named, compression, {
             "bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
             "find_unused_parameters": find_unused_parameters, "broadcast_buffers": broadcast_buffers,

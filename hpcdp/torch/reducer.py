@@ -213,6 +213,7 @@ class Reducer:
         self._watched = list(named_params) + list(frozen)
         self.frozen = [p for _, p in frozen]
         self.on_retarget = None  # the owner's callback after the trainable set changed
+        self.in_model = None     # the owner's callable: ids of the parameters its model has now
         self._relaid_out = False
         self.layout_root = 0  # the rank whose observed gradient order the buckets follow
         self.join = None      # the owner's active join() context (hpcdp.torch.join)
@@ -259,6 +260,7 @@ class Reducer:
             for s in specs]
         self.bucket_of = [None] * len(params)
         self.slot_of = [0] * len(params)
+        self._absent_checked = set()  # sets of parameter indices found still in the model
         for b in self.buckets:
             for k, i in enumerate(b.members):
                 self.bucket_of[i] = b
@@ -622,6 +624,8 @@ class Reducer:
         if not self.find_unused and tail[0] > 0:
             self._raise_unused(missing)
         present = [t > 0 for t in tail[:-1]] if self.find_unused else None
+        if present is not None:
+            self._check_absent_everywhere(frozenset(i for i, here in enumerate(present) if not here))
         with torch.no_grad():
             for b in launched:
                 if b.direct:
@@ -744,10 +748,41 @@ class Reducer:
                 allreduce(g, op="avg", name=name, algo=self.algo)
                 p.grad = g
 
+    def _gone(self, indices) -> list[str]:
+        """The names of the parameters among ``indices`` that the model no longer has."""
+        if self.in_model is None:
+            return []
+        now = self.in_model()
+        return [self.names[i] for i in indices if id(self.params[i]) not in now]
+
+    def _check_absent_everywhere(self, absent: frozenset) -> None:
+        """Collective (every rank has the same ``absent``: parameters no rank had a gradient
+        for): raise on every rank if some of them are no longer in the model, once per set."""
+        if not absent or self.in_model is None or absent in self._absent_checked:
+            return
+        with model_collectives():
+            everyone = allgather_object(self._gone(sorted(absent)))
+        if any(everyone):
+            self._raise_replaced(everyone)
+        self._absent_checked.add(absent)
+
+    def _raise_replaced(self, everyone) -> None:
+        gone = next(g for g in everyone if g)
+        shown = ", ".join(repr(n) for n in gone[:10]) + (f" and {len(gone) - 10} more" if len(gone) > 10 else "")
+        raise UnusedParametersError(
+            f"rank {self.rt.rank}: {self.owner}: parameters {shown} received no gradient: the model "
+            "no longer has them (a module replaced after the model was wrapped?). The wrapper "
+            "averages the parameters the model had when it was wrapped; the new ones' gradients "
+            "would stay local and the replicas drift apart. Make every change to the model "
+            "before wrapping it.")
+
     def _raise_unused(self, missing: list[int]) -> None:
         names = [self.names[i] for i in missing]
         with model_collectives():
-            everyone = allgather_object(names)
+            everyone = allgather_object((names, self._gone(missing)))
+        if any(g for _, g in everyone):
+            self._raise_replaced([g for _, g in everyone])
+        everyone = [ns for ns, _ in everyone]
         lines = []
         for r, ns in enumerate(everyone):
             shown = ", ".join(repr(n) for n in ns[:10])

@@ -215,6 +215,25 @@ def test_unused_on_one_rank_only_is_reported_on_every_rank(world):
     assert "rank 0: (none)" in msg
 
 
+@pytest.mark.parametrize("find_unused", [False, True], ids=["strict", "find-unused"])
+def test_a_module_replaced_after_wrapping_is_named_on_every_rank(world, find_unused):
+    """The new head's gradients would stay local (with find_unused_parameters=True the
+    replicas drifted apart silently); the error names the parameters the model lost."""
+    model = _mlp()
+    ddp = hpcdp.DistributedDataParallel(model, find_unused_parameters=find_unused)
+    model[4] = torch.nn.Linear(16, 4).double()
+    x, y = _batches(1)[0]
+    with pytest.raises(UnusedParametersError) as err:
+        _local_loss(ddp(x), y, 1, B).backward()
+    msg = str(err.value)
+    assert f"rank {world.Get_rank()}:" in msg and "parameters '4.weight', '4.bias' received no gradient: " \
+        "the model no longer has them" in msg, msg
+    assert "before wrapping it" in msg
+    t = torch.ones(2, dtype=torch.float64)  # nothing left in flight
+    hpcdp.allreduce(t, op="sum")
+    assert torch.equal(t, torch.full((2,), float(world.Get_size()), dtype=torch.float64))
+
+
 def test_find_unused_parameters_matches_single_process(world):
     """Rank parity picks the head; unused heads count as zeros; a head no rank uses keeps grad None."""
     rank, size = world.Get_rank(), world.Get_size()
