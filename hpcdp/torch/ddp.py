@@ -38,7 +38,8 @@ class DistributedDataParallel(torch.nn.Module):
     ``find_unused_parameters``: parameters that get no gradient on a rank count
     as zeros (without it, that is an error naming them, on every rank).
     ``broadcast_buffers``: copy rank 0's buffers (BatchNorm statistics) to every
-    rank before each forward. ``gradient_as_bucket_view``: ``.grad`` tensors
+    rank after each synchronised backward pass, once its gradients are averaged (so a
+    forward makes no collective call: evaluation may run on some ranks only). ``gradient_as_bucket_view``: ``.grad`` tensors
     are views into the flat buckets (saves a copy per step). ``compression``:
     ``None``, ``"fp16"``, ``"bf16"``, ``"onebit"`` or a :mod:`hpcdp.compress`
     compressor (float32 parameters, on the CPU or CUDA). ``trace``: a run directory that
@@ -105,6 +106,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._find_ties()
         self.reducer.on_retarget = self._find_ties  # the trainable set changed: new indices
         self.reducer.in_model = lambda: {id(p) for p in module.parameters()}
+        self.reducer.sync_buffers = self._broadcast_buffers
         self.reducer.attach_tracer(open_step_tracer(rt, trace, _OWNER, named, compression, {
             "bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
             "find_unused_parameters": find_unused_parameters, "broadcast_buffers": broadcast_buffers,
@@ -120,13 +122,10 @@ class DistributedDataParallel(torch.nn.Module):
             t0 = tracer.forward_begin()
         self.reducer.new_iteration()
         join = self.reducer.join
-        if join is None:
-            self._broadcast_buffers(0)
-        elif torch.is_grad_enabled():  # a training step inside join(): a join round first
-            root = join.train_round(self._require_sync)
+        if join is not None and torch.is_grad_enabled():  # a training step inside join()
+            join.train_round(self._require_sync)
             if tracer is not None:
                 t0 = tracer.now()  # the round is a COLLECTIVE of its own, not forward
-            self._broadcast_buffers(root)
         out = self._run(args, kwargs)
         if tracer is not None:
             tracer.forward_end(t0, out)
@@ -194,7 +193,7 @@ class DistributedDataParallel(torch.nn.Module):
         if not enable:
             return contextlib.nullcontext()
         return Join(self.reducer, self._replicated, optimizer, throw_on_early_termination,
-                    broadcast_buffers=self._broadcast_buffers, tied=lambda: self._tied or None)
+                    tied=lambda: self._tied or None)
 
     def state_dict(self, *args, **kwargs):
         """The wrapped module's state dict (no ``module.`` prefix)."""

@@ -198,8 +198,8 @@ def check_replicas(module: torch.nn.Module, buffers: bool = True) -> str:
     :class:`ReplicaMismatchError` on every rank naming the ranks that differ
     from rank 0 and the first tensor that differs. ``buffers=False`` checks the
     parameters only: after a training forward, BatchNorm's running statistics
-    are each rank's own (``DistributedDataParallel(broadcast_buffers=True)``
-    copies rank 0's before the next forward, as torch DDP does).
+    are each rank's own until its backward ends
+    (``DistributedDataParallel(broadcast_buffers=True)`` copies rank 0's then).
     """
     rt = _runtime("check_replicas()")
     if not isinstance(module, torch.nn.Module):

@@ -8,14 +8,14 @@ gradient allreduce until the stall watchdog aborts the job. Inside the context
 1. Every training forward (autograd on) starts with a join round: an allgather of one
    byte per rank saying whether it still trains and whether this step averages
    gradients (not inside ``no_sync``). The lowest training rank is the step's root: it
-   broadcasts the buffers (rank 0's role outside the context) and, after the first step,
-   the gradient order the buckets are laid out in. (``DistributedOptimizer`` sees no
+   broadcasts the buffers after the step's gradients (rank 0's role outside the context)
+   and, after the first step, the gradient order the buckets are laid out in. (``DistributedOptimizer`` sees no
    forward: its round starts each backward pass that averages, and ``step()`` after
    fewer passes.)
 2. A rank whose loop ends enters the context's exit and shadows the others' steps: in
-   every round that still has a training rank it receives the buffers and, in steps
-   that average, runs every bucket's allreduce with zeros (a zero control tail, no
-   rows of a split tied embedding). The average still divides by the world size, the
+   every round that still has a training rank, in steps that average, it runs every
+   bucket's allreduce with zeros (a zero control tail, no rows of a split tied
+   embedding), then receives the buffers. The average still divides by the world size, the
    joined ranks' share being zero: the step's gradient is scaled by the fraction of
    ranks that trained in it (torch DDP's default, ``divide_by_initial_world_size``, and
    Horovod's join).
@@ -58,20 +58,20 @@ class Join:
 
     ``reducer``: the wrapper's buckets (``reducer.join`` holds the active context);
     ``replicated``: the tensors made identical at the end (parameters, buffers);
-    ``broadcast_buffers(root)`` and ``tied()`` (DDP's: its current tied embeddings, or None):
-    what a shadowed step receives besides the buckets; ``in_backward``: the reducer starts the training rounds (no
+    ``tied()`` (DDP's: its current tied embeddings, or None): what a shadowed step
+    exchanges besides the buckets (and the buffers, which the reducer's ``sync_buffers``
+    receives); ``in_backward``: the reducer starts the training rounds (no
     forward to start them). After the context, ``shadowed`` is the number of steps this
     rank shadowed and ``last_rank`` the rank whose state every rank now holds (None when
     no rank shadowed a step, so none was sent)."""
 
     def __init__(self, reducer, replicated, optimizer=None, throw_on_early_termination: bool = False,
-                 broadcast_buffers=None, tied=None, in_backward: bool = False):
+                 tied=None, in_backward: bool = False):
         self.reducer = reducer
         self.in_backward = in_backward
         self.replicated = replicated
         self.optimizer = optimizer
         self.throw = throw_on_early_termination
-        self.broadcast_buffers = broadcast_buffers
         self.tied = tied
         self.shadowed = 0
         self.last_rank = None
@@ -178,8 +178,6 @@ class Join:
         while True:
             root, sync, backward = self._round(0)
             if root is not None:
-                if self.broadcast_buffers is not None:
-                    self.broadcast_buffers(root)
                 if sync:
                     reducer.tied = None if self.tied is None else self.tied()
                     reducer.shadow(backward)

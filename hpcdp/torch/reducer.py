@@ -214,6 +214,7 @@ class Reducer:
         self.frozen = [p for _, p in frozen]
         self.on_retarget = None  # the owner's callback after the trainable set changed
         self.in_model = None     # the owner's callable: ids of the parameters its model has now
+        self.sync_buffers = None  # the owner's callable(root): after a synchronised pass's gradients
         self._relaid_out = False
         self.layout_root = 0  # the rank whose observed gradient order the buckets follow
         self.join = None      # the owner's active join() context (hpcdp.torch.join)
@@ -606,6 +607,8 @@ class Reducer:
                     b.tail_handle.wait()
             if self.tied is not None:
                 self.tied.wait()
+            if self.sync_buffers is not None:
+                self.sync_buffers(self.layout_root)
         except Exception:
             self._reset()
             if self.tied is not None:

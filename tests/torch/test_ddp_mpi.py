@@ -284,14 +284,43 @@ def test_batchnorm_buffers_follow_rank0(world):
         x = torch.randn(6, 5, generator=g, dtype=torch.float64) * (rank + 1)
         ddp(x).sum().backward()
         opt.step()
-    local_mean = model[1].running_mean.clone()  # updated by this rank's last forward
-    ddp.eval()
-    with torch.no_grad():
-        ddp(torch.zeros(1, 5, dtype=torch.float64))  # re-broadcasts rank 0's buffers first
-    rank0_mean = world.bcast(local_mean if rank == 0 else None, root=0)
-    assert torch.equal(model[1].running_mean, rank0_mean)
+    # rank 0's statistics after its last forward, broadcast once the gradients were averaged
+    after_backward = model[1].running_mean.clone()
+    rank0_mean = world.bcast(after_backward if rank == 0 else None, root=0)
+    assert torch.equal(after_backward, rank0_mean)
     assert int(model[1].num_batches_tracked) == 3
     hpcdp.check_replicas(model)
+    ddp.eval()
+    with torch.no_grad():  # evaluation uses them as they are: no collective
+        ddp(torch.zeros(1, 5, dtype=torch.float64))
+    assert torch.equal(model[1].running_mean, rank0_mean)
+
+
+def test_evaluation_on_some_ranks_only_makes_no_collective(world):
+    """The usual "rank 0 validates" loop: forwards under no_grad on rank 0 alone (several,
+    in train and eval mode) between training steps; before, each forward broadcast the
+    buffers and the ranks' collectives went out of step (MismatchError, or a hang)."""
+    rank = world.Get_rank()
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 2)).double()
+    ddp = hpcdp.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        if rank == 0:  # (its train-mode forward moves rank 0's statistics: every rank gets them)
+            with torch.no_grad():
+                ddp.eval()
+                ddp(torch.ones(2, 5, dtype=torch.float64))
+                ddp.train()
+                ddp(torch.ones(3, 5, dtype=torch.float64))
+        opt.zero_grad()
+        ddp(torch.randn(6, 5, generator=g, dtype=torch.float64)).sum().backward()
+        opt.step()
+    hpcdp.check_replicas(model)  # buffers too: rank 0's, after the last backward
+    ddp.eval()  # every rank evaluates: the same outputs
+    with torch.no_grad():
+        _gather_equal(world, ddp(torch.ones(2, 5, dtype=torch.float64)).tolist())
 
 
 def test_without_buffer_broadcast_check_replicas_names_the_ranks(world):
@@ -611,12 +640,13 @@ def test_a_layout_for_another_model_is_refused(world):
 
 
 def test_check_replicas_without_buffers_ignores_each_ranks_batchnorm_statistics(world):
-    """After a training forward on each rank's own batch, the running statistics differ
-    (at np > 1): the full check names the buffer on every rank; ``buffers=False`` passes."""
+    """After a training forward on each rank's own batch (not yet followed by a backward,
+    which would bring rank 0's), the running statistics differ (at np > 1): the full check
+    names the buffer on every rank; ``buffers=False`` passes."""
     rank, size = world.Get_rank(), world.Get_size()
     torch.manual_seed(0)
     ddp = hpcdp.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)))
-    ddp(torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
+    ddp(torch.randn(5, 4, generator=torch.Generator().manual_seed(rank)))
     params_only = hpcdp.check_replicas(ddp.module, buffers=False)
     _gather_equal(world, params_only)
     if size == 1:
