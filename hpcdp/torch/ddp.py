@@ -39,8 +39,9 @@ class DistributedDataParallel(torch.nn.Module):
     as zeros (without it, that is an error naming them, on every rank).
     ``broadcast_buffers``: copy rank 0's buffers (BatchNorm statistics) to every
     rank after each synchronised backward pass, once its gradients are averaged (so a
-    forward makes no collective call: evaluation may run on some ranks only). ``gradient_as_bucket_view``: ``.grad`` tensors
-    are views into the flat buckets (saves a copy per step). ``compression``:
+    forward makes no collective call: evaluation may run on some ranks only).
+    ``gradient_as_bucket_view``: ``.grad`` tensors are views into the flat buckets
+    (saves a copy per step). ``compression``:
     ``None``, ``"fp16"``, ``"bf16"``, ``"onebit"`` or a :mod:`hpcdp.compress`
     compressor (float32 parameters, on the CPU or CUDA). ``trace``: a run directory that
     receives one HDF5 timing file per rank (``None``: ``$HPCDP_TRACE`` if set,

@@ -8,15 +8,15 @@ gradient allreduce until the stall watchdog aborts the job. Inside the context
 1. Every training forward (autograd on) starts with a join round: an allgather of one
    byte per rank saying whether it still trains and whether this step averages
    gradients (not inside ``no_sync``). The lowest training rank is the step's root: it
-   broadcasts the buffers after the step's gradients (rank 0's role outside the context)
-   and, after the first step, the gradient order the buckets are laid out in. (``DistributedOptimizer`` sees no
-   forward: its round starts each backward pass that averages, and ``step()`` after
-   fewer passes.)
+   broadcasts the buffers after the step's gradients (rank 0's role outside the
+   context) and, after the first step, the gradient order the buckets are laid out in.
+   (``DistributedOptimizer`` sees no forward: its round starts each backward pass that
+   averages, and ``step()`` after fewer passes.)
 2. A rank whose loop ends enters the context's exit and shadows the others' steps: in
    every round that still has a training rank, in steps that average, it runs every
    bucket's allreduce with zeros (a zero control tail, no rows of a split tied
-   embedding), then receives the buffers. The average still divides by the world size, the
-   joined ranks' share being zero: the step's gradient is scaled by the fraction of
+   embedding), then receives the buffers. The average still divides by the world size,
+   the joined ranks' share being zero: the step's gradient is scaled by the fraction of
    ranks that trained in it (torch DDP's default, ``divide_by_initial_world_size``, and
    Horovod's join).
 3. The first round in which no rank trains ends the context on every rank. If some
