@@ -503,7 +503,7 @@ def _keep_earlier_run(path) -> str | None:
     if not names or any(os.path.abspath(os.path.join(path, n)) in _OPEN for n in names):
         return None
     last = max(os.path.getmtime(os.path.join(path, n)) for n in names)
-    base = f"{os.path.normpath(path)}.{time.strftime('%Y%m%d-%H%M%S', time.localtime(last))}"
+    base = f"{os.path.abspath(path)}.{time.strftime('%Y%m%d-%H%M%S', time.localtime(last))}"
     kept, k = base, 1
     while True:
         try:
