@@ -196,6 +196,12 @@ class DistributedDataParallel(torch.nn.Module):
         return Join(self.reducer, self._replicated, optimizer, throw_on_early_termination,
                     tied=lambda: self._tied or None)
 
+    def __reduce_ex__(self, protocol):
+        # copy.deepcopy and pickle: the wrapper holds the job's communicators and hooks
+        raise TypeError(f"{_OWNER} cannot be copied or pickled (it holds this job's "
+                        "communicators and gradient hooks): copy model.module instead (an EMA or "
+                        "teacher copy is a plain module), and save model.state_dict()")
+
     def state_dict(self, *args, **kwargs):
         """The wrapped module's state dict (no ``module.`` prefix)."""
         return self.module.state_dict(*args, **kwargs)

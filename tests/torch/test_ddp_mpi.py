@@ -416,6 +416,19 @@ def test_model_with_extra_layer_on_one_rank_fails_on_every_rank(world):
     assert "parameter '6.weight' shape (4, 4) float64" in msg and "(ranks have 6, 8 entries)" in msg
 
 
+def test_copying_the_wrapper_is_refused_and_copying_the_module_is_plain(world):
+    """An EMA or teacher copy: copy.deepcopy of the wrapper raised "cannot pickle 'module'
+    object"; the module's copy has none of the wrapper's hooks."""
+    ddp = hpcdp.DistributedDataParallel(_mlp())
+    for copier in (copy.deepcopy, lambda m: __import__("pickle").dumps(m)):
+        with pytest.raises(TypeError, match="copy model.module instead"):
+            copier(ddp)
+    ema = copy.deepcopy(ddp.module)
+    ema(torch.randn(2, 10, dtype=torch.float64)).sum().backward()  # no bucket, no collective
+    assert not ddp.reducer.pending and ddp.comm_stats["iterations"] == 0
+    assert all(p.grad is not None for p in ema.parameters())
+
+
 def test_state_dict_has_no_wrapper_prefix_and_loads_back(world):
     model = _mlp()
     ddp = hpcdp.DistributedDataParallel(model)
