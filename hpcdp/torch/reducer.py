@@ -714,8 +714,8 @@ class Reducer:
             raise ValueError(
                 f"rank {self.rt.rank}: {self.owner}: the parameters that require grad changed, and "
                 f"{type(self.momentum).__name__} keeps its momentum per bucket of a fixed set of "
-                "parameters; freeze parameters before building the model's optimizer, or make a new "
-                "optimizer after changing them")
+                "parameters: set requires_grad before building it and keep it while it drives the "
+                "model")
         if not names:
             raise ValueError(f"rank {self.rt.rank}: {self.owner}: no parameter requires grad any more")
         known = {id(p) for p in self.params}
