@@ -44,10 +44,10 @@ class _Runtime:
                 "Let mpi4py initialise MPI with its default thread level ('multiple'), "
                 "or set HPCDP_PROGRESS=poll (needs 'serialized').")
         self.thread_level = provided
+        vendor, version = MPI.get_vendor()
+        self.vendor = f"{vendor} {'.'.join(map(str, version))}"
         if comm is None:
-            vendor, version = MPI.get_vendor()
-            alone = alone_but_launched_with_others(MPI.COMM_WORLD.Get_size(), os.environ,
-                                                   f"{vendor} {'.'.join(map(str, version))}")
+            alone = alone_but_launched_with_others(MPI.COMM_WORLD.Get_size(), os.environ, self.vendor)
             if alone is not None:
                 raise LaunchError(alone)
         self.world = comm if comm is not None else MPI.COMM_WORLD
@@ -90,8 +90,6 @@ class _Runtime:
             index = self.local_rank % torch.cuda.device_count()
             torch.cuda.set_device(index)
             self.device = f"cuda:{index}"
-        vendor, version = MPI.get_vendor()
-        self.vendor = f"{vendor} {'.'.join(map(str, version))}"
         from .comm.cuda import detect_cuda_aware, loaded_libmpi
         from .comm.waiting import decide_wait
         self.cuda_aware, self.cuda_aware_how = detect_cuda_aware(vendor)

@@ -103,7 +103,6 @@ class DistributedDataParallel(torch.nn.Module):
                                should_sync=lambda: self._require_sync, wait_at_end=True,
                                compression=compression, algo=algo, frozen=frozen)
         self._split_tied = split_tied_embeddings
-        self._tied = None
         self._find_ties()
         self.reducer.on_retarget = self._find_ties  # the trainable set changed: new indices
         self.reducer.in_model = lambda: {id(p) for p in module.parameters()}

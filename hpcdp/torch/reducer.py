@@ -709,22 +709,21 @@ class Reducer:
         (steps of the module docstring): average the newly trainable parameters' gradients
         (``contribute``: this rank's, else zeros), then lay the buckets out over the
         parameters that require grad now."""
-        names = [n for n, p in self._watched if p.requires_grad]
+        trainable = [(n, p) for n, p in self._watched if p.requires_grad]
         if self.momentum is not None:
             raise ValueError(
                 f"rank {self.rt.rank}: {self.owner}: the parameters that require grad changed, and "
                 f"{type(self.momentum).__name__} keeps its momentum per bucket of a fixed set of "
                 "parameters: set requires_grad before building it and keep it while it drives the "
                 "model")
-        if not names:
+        if not trainable:
             raise ValueError(f"rank {self.rt.rank}: {self.owner}: no parameter requires grad any more")
         known = {id(p) for p in self.params}
-        fresh = [(n, p) for n, p in self._watched if p.requires_grad and id(p) not in known]
-        self._average(fresh, contribute)
+        self._average([(n, p) for n, p in trainable if id(p) not in known], contribute)
         views = self._grad_views()
         self._detach()
-        self.names = names
-        self.params = [p for _, p in self._watched if p.requires_grad]
+        self.names = [n for n, _ in trainable]
+        self.params = [p for _, p in trainable]
         self.frozen = [p for _, p in self._watched if not p.requires_grad]
         self._tail_len = self._tail_length()
         self.rt.codec_states.clear(self.state_prefix)

@@ -494,14 +494,14 @@ def _prepare_directory(comm, path) -> str:
     return run_id
 
 
-def _keep_earlier_run(path) -> str | None:
+def _keep_earlier_run(path) -> None:
     """Move the rank files an earlier run left in ``path`` into a new sibling directory
     named after that run's last write, ``PATH.YYYYmmdd-HHMMSS`` (``-2``, ``-3``, ... if
-    taken), and say so on stderr; other files stay. Returns the new directory, or None
-    when ``path`` holds no rank files or this process is writing them (refused later)."""
+    taken), and say so on stderr; other files stay. Nothing moves when this process is
+    writing them (that second writer is refused later)."""
     names = [n for n in os.listdir(path) if parse_rank_filename(n) is not None]
     if not names or any(os.path.abspath(os.path.join(path, n)) in _OPEN for n in names):
-        return None
+        return
     last = max(os.path.getmtime(os.path.join(path, n)) for n in names)
     base = f"{os.path.abspath(path)}.{time.strftime('%Y%m%d-%H%M%S', time.localtime(last))}"
     kept, k = base, 1
@@ -516,7 +516,6 @@ def _keep_earlier_run(path) -> str | None:
         os.replace(os.path.join(path, n), os.path.join(kept, n))
     print(f"hpcdp.trace: {path} held an earlier run's trace ({len(names)} rank files); moved them to "
           f"{kept}", file=sys.stderr, flush=True)
-    return kept
 
 
 def _open_everywhere(comm, path, run_id, level, flush_every, flush_interval) -> Recorder:
