@@ -43,6 +43,7 @@ import os
 import platform
 import sysconfig
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -245,8 +246,7 @@ def stdlib_corpus(seed: int | None = None, val_bytes: int | None = None,
     order = [names[i] for i in np.random.default_rng(seed).permutation(len(names))]
     val = _take(order, sizes, val_bytes or CORPUS_VAL_BYTES)
     train = _take(order[len(val):], sizes, train_bytes or CORPUS_TRAIN_BYTES)
-    read = lambda files: b"\n".join(open(os.path.join(root, n), "rb").read() for n in files)  # noqa: E731
-    train_b, val_b = read(train), read(val)
+    train_b, val_b = (b"\n".join(Path(root, n).read_bytes() for n in files) for files in (train, val))
     info = {"source": "*.py in sysconfig stdlib", "python_version": platform.python_version(),
             "corpus_seed": seed, "train_files": train, "val_files": val,
             "train_bytes": len(train_b), "val_bytes": len(val_b),
