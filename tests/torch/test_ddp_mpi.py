@@ -264,63 +264,80 @@ def test_find_unused_parameters_matches_single_process(world):
     hpcdp.check_replicas(model)
 
 
-def test_batchnorm_buffers_follow_rank0(world):
+#: the buffer tests run on the CPU and, where CUDA is present, on this rank's GPU
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _device(name):
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available in this process (no GPU or CPU-only torch build)")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batchnorm_buffers_follow_rank0(world, device):
     rank = world.Get_rank()
+    dev = _device(device)
 
     def build():
         torch.manual_seed(2)
         return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
-                                   torch.nn.Linear(8, 2)).double()
+                                   torch.nn.Linear(8, 2)).double().to(dev)
 
     model = build()
     if rank > 0:
         model[1].running_mean.fill_(float(rank))  # constructor broadcast replaces this
     ddp = hpcdp.DistributedDataParallel(model)
-    assert torch.equal(model[1].running_mean, torch.zeros(8, dtype=torch.float64))
+    assert torch.equal(model[1].running_mean.cpu(), torch.zeros(8, dtype=torch.float64))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + rank)  # different data on every rank
     for _ in range(3):
         opt.zero_grad()
         x = torch.randn(6, 5, generator=g, dtype=torch.float64) * (rank + 1)
-        ddp(x).sum().backward()
+        ddp(x.to(dev)).sum().backward()
         opt.step()
     # rank 0's statistics after its last forward, broadcast once the gradients were averaged
-    after_backward = model[1].running_mean.clone()
+    after_backward = model[1].running_mean.cpu()
     rank0_mean = world.bcast(after_backward if rank == 0 else None, root=0)
     assert torch.equal(after_backward, rank0_mean)
     assert int(model[1].num_batches_tracked) == 3
     hpcdp.check_replicas(model)
     ddp.eval()
     with torch.no_grad():  # evaluation uses them as they are: no collective
-        ddp(torch.zeros(1, 5, dtype=torch.float64))
-    assert torch.equal(model[1].running_mean, rank0_mean)
+        ddp(torch.zeros(1, 5, dtype=torch.float64, device=dev))
+    assert torch.equal(model[1].running_mean.cpu(), rank0_mean)
 
 
-def test_evaluation_on_some_ranks_only_makes_no_collective(world):
+@pytest.mark.parametrize("device", DEVICES)
+def test_evaluation_on_some_ranks_only_makes_no_collective(world, device):
     """The usual "rank 0 validates" loop: forwards under no_grad on rank 0 alone (several,
     in train and eval mode) between training steps; before, each forward broadcast the
     buffers and the ranks' collectives went out of step (MismatchError, or a hang)."""
     rank = world.Get_rank()
+    dev = _device(device)
     torch.manual_seed(2)
     model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
-                                torch.nn.Linear(8, 2)).double()
+                                torch.nn.Linear(8, 2)).double().to(dev)
     ddp = hpcdp.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + rank)
+    ones = lambda n: torch.ones(n, 5, dtype=torch.float64, device=dev)  # noqa: E731
     for _ in range(3):
         if rank == 0:  # (its train-mode forward moves rank 0's statistics: every rank gets them)
             with torch.no_grad():
                 ddp.eval()
-                ddp(torch.ones(2, 5, dtype=torch.float64))
+                ddp(ones(2))
                 ddp.train()
-                ddp(torch.ones(3, 5, dtype=torch.float64))
+                ddp(ones(3))
         opt.zero_grad()
-        ddp(torch.randn(6, 5, generator=g, dtype=torch.float64)).sum().backward()
+        ddp(torch.randn(6, 5, generator=g, dtype=torch.float64).to(dev)).sum().backward()
         opt.step()
     hpcdp.check_replicas(model)  # buffers too: rank 0's, after the last backward
     ddp.eval()  # every rank evaluates: the same outputs
     with torch.no_grad():
-        _gather_equal(world, ddp(torch.ones(2, 5, dtype=torch.float64)).tolist())
+        _gather_equal(world, ddp(ones(2)).tolist())
 
 
 def test_without_buffer_broadcast_check_replicas_names_the_ranks(world):

@@ -51,30 +51,33 @@ def _reference_step(ref, ref_opt, x, y):
     ref_opt.step()
 
 
-def _local_backward(model, x, y, world):
+def _local_backward(model, x, y, world, device="cpu"):
     rank, size = world.Get_rank(), world.Get_size()
     lo, hi = _share(B, size, rank)
-    loss = torch.nn.functional.cross_entropy(model(x[lo:hi]), y[lo:hi], reduction="sum") * (size / B)
+    x, y = x[lo:hi].to(device), y[lo:hi].to(device)
+    loss = torch.nn.functional.cross_entropy(model(x), y, reduction="sum") * (size / B)
     loss.backward()
 
 
-def _assert_close(model, ref, step, **tol):
+def _assert_close(model, ref, step, tol=TIGHT):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p, q, **(tol or TIGHT)), f"step {step}, {name}: max diff {(p - q).abs().max()}"
         assert (p.grad is None) == (q.grad is None), f"step {step}, {name}: grad {p.grad} vs {q.grad}"
+        p = p.detach().cpu()
+        assert torch.allclose(p, q, **tol), f"step {step}, {name}: max diff {(p - q).abs().max()}"
 
 
-def _train_under_schedule(world, model, wrapped, opt, ref, ref_opt, after_step=None):
-    """``model`` (through ``wrapped``) and the reference trained step by step under the
-    schedule; after each step they agree, then ``after_step(step)``."""
+def _train_under_schedule(world, model, wrapped, opt, ref, ref_opt, after_step=None, device="cpu",
+                          tol=TIGHT):
+    """``model`` (through ``wrapped``, on ``device``) and the reference (on the CPU) trained
+    step by step under the schedule; after each step they agree, then ``after_step(step)``."""
     for step, (x, y) in enumerate(_batches()):
         _schedule(model, step)
         _schedule(ref, step)
         opt.zero_grad()
-        _local_backward(wrapped, x, y, world)
+        _local_backward(wrapped, x, y, world, device)
         opt.step()
         _reference_step(ref, ref_opt, x, y)
-        _assert_close(model, ref, step)
+        _assert_close(model, ref, step, tol)
         if after_step is not None:
             after_step(step)
 
@@ -110,6 +113,33 @@ def test_ddp_follows_freezing_and_unfreezing_like_single_process(world, find_unu
         assert laid_out == _trainable_names(model), (step, laid_out)
 
     _train_under_schedule(world, model, ddp, opt, ref, ref_opt, identical_and_laid_out)
+    assert ddp.comm_stats["iterations"] == STEPS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("find_unused", [False, True], ids=["strict", "find-unused"])
+def test_ddp_follows_freezing_and_unfreezing_on_cuda(world, find_unused):
+    """The same on this rank's GPU (skipped without CUDA): newly trainable gradients are
+    averaged from device memory and the new buckets lie on the device. The CPU reference
+    agrees to float64 rounding (CUDA kernels sum in another order)."""
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA is not available in this process (no GPU or CPU-only torch build)")
+    device = torch.device("cuda", torch.cuda.current_device())
+    ref, model = _mlp(), _mlp().to(device)
+    _schedule(ref, 0)
+    _schedule(model, 0)
+    ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=0.0005, bucket_cap_mb=0.003,
+                                        find_unused_parameters=find_unused)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def identical_and_laid_out(step):
+        _gather_equal(world, hpcdp.check_replicas(model))
+        laid_out = sorted(n for bucket in ddp.bucket_layout() for n in bucket)
+        assert laid_out == _trainable_names(model), (step, laid_out)
+
+    _train_under_schedule(world, model, ddp, opt, ref, ref_opt, identical_and_laid_out, device=device,
+                          tol=dict(rtol=1e-7, atol=1e-9))
     assert ddp.comm_stats["iterations"] == STEPS
 
 
