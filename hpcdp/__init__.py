@@ -17,8 +17,8 @@ from .errors import (CheckpointError, CommError, Error, LaunchError, MismatchErr
                      UnevenInputsError, UnusedParametersError)
 from .objects import allgather_object, broadcast_object, gather_object, scatter_object
 
-_TORCH_NAMES = ("DistributedDataParallel", "DistributedOptimizer", "broadcast_parameters",
-                "broadcast_optimizer_state", "check_replicas")
+_TORCH_NAMES = ("DistributedDataParallel", "DistributedOptimizer", "SyncBatchNorm",
+                "broadcast_parameters", "broadcast_optimizer_state", "check_replicas")
 
 __all__ = [
     "__version__",

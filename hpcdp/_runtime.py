@@ -81,6 +81,8 @@ class _Runtime:
         # while ranks shadow the steps inside a join() context: the context and those ranks
         # (hpcdp.torch.join), which other collectives of the training ranks would wait for
         self.join_shadowing = None
+        # the active join() context (hpcdp.torch.join), for collectives in a model's forward
+        self.join = None
         self._cross = None
         self.device = "cpu"
         self.cuda = False

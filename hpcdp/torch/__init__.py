@@ -4,6 +4,7 @@ touches ``torch.nn`` or ``torch.optim`` lives here."""
 from .ddp import DistributedDataParallel
 from .functions import broadcast_optimizer_state, broadcast_parameters, check_replicas
 from .optimizer import DistributedOptimizer
+from .syncbn import SyncBatchNorm
 
-__all__ = ["DistributedDataParallel", "DistributedOptimizer", "broadcast_parameters",
+__all__ = ["DistributedDataParallel", "DistributedOptimizer", "SyncBatchNorm", "broadcast_parameters",
            "broadcast_optimizer_state", "check_replicas"]
