@@ -25,7 +25,7 @@ __all__ = ["HPCDP_MODES", "TORCH_DDP_MODES", "TORCH_HOOKS", "Runner", "bench_com
            "compression_list", "csv_list", "cuda_refused", "hpcdp_compressor", "has_torch_hook",
            "start_runtime"]
 
-HPCDP_MODES = ("hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace")
+HPCDP_MODES = ("hpcdp", "hpcdp-sync", "hpcdp-copy", "hpcdp-trace", "hpcdp-syncbn")
 TORCH_DDP_MODES = ("ddp", "ddp-hpcdp")
 TORCH_HOOKS = ("fp16", "bf16", "powersgd")
 # torch's PowerSGD needs error feedback's first two iterations exact; hpcdp's starts alike
@@ -172,6 +172,8 @@ class Runner:
         self.native = comms["native"]
         self.device = comms["device"]
         self.model = build().to(self.device)
+        if self.mode == "hpcdp-syncbn":
+            self.model = hpcdp.SyncBatchNorm.convert_sync_batchnorm(self.model)
         self.params = list(self.model.parameters())
         net = self.model
         if self.bucket_mb is not None:

@@ -17,7 +17,9 @@ here an iteration's time is the slowest rank's (all ranks start it together).
 
 Modes (``--modes``, default ``hpcdp,ddp,local``):
 
-``hpcdp``       ``hpcdp.DistributedDataParallel`` (``hpcdp-sync``: without overlap)
+``hpcdp``       ``hpcdp.DistributedDataParallel`` (``hpcdp-sync``: without overlap;
+                ``hpcdp-syncbn``: with the model's BatchNorm layers converted to
+                ``hpcdp.SyncBatchNorm``, statistics over the global batch)
 ``ddp``         ``torch.nn.parallel.DistributedDataParallel`` on gloo
 ``ddp-hpcdp``   the same torch DDP on hpcdp's torch.distributed backend ``"hpcdp"``
 ``local``       every rank runs the same steps at the same time without communicating:
@@ -68,7 +70,7 @@ import types
 from ._runners import (HPCDP_MODES, TORCH_DDP_MODES, Runner, bench_comms, close, compression_list,
                        csv_list, cuda_refused, has_torch_hook, start_runtime)
 
-_MODES = ("hpcdp", "hpcdp-sync", "ddp", "ddp-hpcdp", "local")
+_MODES = ("hpcdp", "hpcdp-sync", "hpcdp-syncbn", "ddp", "ddp-hpcdp", "local")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -51,12 +51,12 @@ def check_horovod_block(lines, what, dev, np_, iters, per_rank):
 @pytest.mark.timeout(300)
 def test_resnet_modes_print_horovods_lines_and_a_record_each():
     p = synthetic(2, "--model", "resnet18", "--image-size", "32", "--batch-size", "4", *SMALL,
-                  "--modes", "hpcdp,hpcdp-sync,ddp,ddp-hpcdp,local", env={"HPCDP_ALGO": "ring"})
+                  "--modes", "hpcdp,hpcdp-sync,hpcdp-syncbn,ddp,ddp-hpcdp,local", env={"HPCDP_ALGO": "ring"})
     assert p.stdout.startswith("Model: resnet18\nBatch size: 4\nNumber of CPUs: 2\nRunning warmup...\n"
                                "Running benchmark...\n"), p.stdout
     blocks, recs = parse(p)
-    assert [r["mode"] for r in recs] == ["hpcdp", "hpcdp-sync", "ddp", "ddp-hpcdp", "local"]
-    assert list(blocks) == ["hpcdp", "hpcdp-sync", "ddp", "ddp-hpcdp", "local"]
+    modes = ["hpcdp", "hpcdp-sync", "hpcdp-syncbn", "ddp", "ddp-hpcdp", "local"]
+    assert [r["mode"] for r in recs] == modes and list(blocks) == modes
     by = {r["mode"]: r for r in recs}
     for r in recs:
         assert REQUIRED <= set(r), r
@@ -77,7 +77,7 @@ def test_resnet_modes_print_horovods_lines_and_a_record_each():
     assert by["local"]["progress_cpu_s_per_step"] == by["ddp"]["progress_cpu_s_per_step"] == 0
     # hpcdp's ring moves 2 (n-1)/n of the gradients per step at n = 2: one copy of them
     n_params = 11_689_512
-    for m in ("hpcdp", "hpcdp-sync"):
+    for m in ("hpcdp", "hpcdp-sync", "hpcdp-syncbn"):
         assert by[m]["bytes_sent_per_step"] >= 4 * n_params, by[m]
         assert by[m]["algo"] == "ring"
     assert by["ddp"]["bytes_sent_per_step"] is None and by["ddp-hpcdp"]["bytes_sent_per_step"] is None
