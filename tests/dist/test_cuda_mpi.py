@@ -149,6 +149,24 @@ def test_torch_ddp_on_cuda_equals_one_process(cuda):
         assert _same_bits_everywhere(p), f"rank {rank}: replicas of {name} differ"
 
 
+def test_torch_sync_batchnorm_on_cuda_equals_batchnorm_over_the_global_batch(cuda):
+    """torch.nn.SyncBatchNorm under torch DDP over "hpcdp" (its forward all-gathers the
+    ranks' statistics, its backward all-reduces the gradient sums): parameters and running
+    statistics equal one process's BatchNorm on the whole batch."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10)).to(cuda)
+    ref = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(nn.SyncBatchNorm.convert_sync_batchnorm(model),
+                                              device_ids=[cuda.index])
+    batches = _batches(3, 8, size, cuda)
+    _train(ddp, batches, slice(rank * 8, (rank + 1) * 8))
+    _train(ref, batches)
+    for (name, p), q in zip(ddp.module.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=f"rank {rank}: {name}")
+        assert _same_bits_everywhere(p), f"rank {rank}: replicas of {name} differ"
+
+
 def test_torch_ddp_on_cuda_with_fp16_compress_hook_keeps_replicas_identical(cuda):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     rank, size = dist.get_rank(), dist.get_world_size()
