@@ -64,3 +64,27 @@ def test_one_process_equals_batchnorm_in_training_and_evaluation():
 def test_wrong_inputs_are_named(shape, message):
     with pytest.raises(ValueError, match=message):
         hpcdp.SyncBatchNorm(3)(torch.randn(*shape))
+
+
+STALLED_BACKWARD = """
+import time, torch, hpcdp
+hpcdp.init()
+bn = hpcdp.SyncBatchNorm(3)
+x = torch.randn(4, 3, requires_grad=True)
+y = bn(x)
+if hpcdp.rank() == 1:
+    time.sleep(60)  # never reaches the backward
+y.sum().backward()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_never_reaches_the_backward_ends_the_job_with_the_call_named():
+    """The backward's allreduce is hpcdp's, so the stall watchdog names it and the rank
+    that did not come, and ends the job (no silent hang)."""
+    from launch import run_mpi
+    p = run_mpi(2, ["-c", STALLED_BACKWARD], timeout=50, env={"HPCDP_STALL_TIMEOUT": "2"})
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out
+    assert "rank 0/2: no progress for 2.0 s in allreduce(SyncBatchNorm(3) gradient sums)" in out, out
+    assert "rank 1 is missing or stuck" in out, out
