@@ -47,6 +47,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             raise ValueError(f"SyncBatchNorm: expected an input of 2 or more dimensions "
                              f"(batch, channels, ...), got {input.dim()}-D")
 
+    @torch.compiler.disable  # collective: torch.compile runs it eagerly, between graphs
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         if input.shape[1] != self.num_features:

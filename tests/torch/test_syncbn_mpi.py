@@ -191,3 +191,30 @@ def test_join_needs_throw_on_early_termination(world):
     assert done == 2  # the shortest rank's steps
     _gather_equal(world, hpcdp.check_replicas(model))
 
+
+
+@pytest.mark.timeout(180)
+def test_under_torch_compile_equals_eager(world):
+    """torch.compile of the wrapped model runs each SyncBatchNorm eagerly between its graphs
+    (before, dynamo traced into the allreduce, and numba's first compilation inside the trace
+    failed the step on every rank)."""
+    rank = world.Get_rank()
+
+    def mlp():
+        torch.manual_seed(0)
+        return hpcdp.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2)))
+
+    models = [mlp(), mlp()]  # compiled, eager: the compiled one makes the first calls
+    wrapped = [hpcdp.DistributedDataParallel(m) for m in models]
+    runs = [torch.compile(wrapped[0]), wrapped[1]]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(5, 6, generator=g) + rank
+        for run, opt in zip(runs, opts):
+            opt.zero_grad()
+            run(x).sum().backward()
+            opt.step()
+    _assert_state_close(models[0], models[1], f"rank {rank}: compiled against eager", rtol=1e-5, atol=1e-6)
+    _gather_equal(world, hpcdp.check_replicas(models[0]))
