@@ -5,7 +5,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: what a test that runs on a real GPU (or asks for one) contains
-NEEDS_CUDA = re.compile(r"cuda\.is_available\(\)|ran_on_cuda\(|\"--device\", \"cuda\"|device=\"cuda\"")
+NEEDS_CUDA = re.compile(r"cuda\.is_available\(\)|cuda_or_skip\(|ran_on_cuda\(|\"--device\", \"cuda\"|device=\"cuda\"")
 
 
 def test_check_sh_selects_the_gpu_marker_serially_and_under_mpirun():

@@ -15,6 +15,7 @@ from hpcdp.compress import torch_kernels as tk
 from hpcdp.compress.base import Compressor
 from hpcdp.compress.formats import FMT_BF16, FMT_FP16
 
+from devices import device as _device
 from oracle import simulate_onebit_allreduce
 from test_compress import special_values
 
@@ -24,17 +25,7 @@ FMTS = {"fp16": FMT_FP16, "bf16": FMT_BF16}
 pytestmark = pytest.mark.gpu
 
 
-def _cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA is not available in this process (no GPU or CPU-only torch build)")
-    return torch.device("cuda")
-
-
 DEVICES = ["cpu", "cuda"]
-
-
-def _device(name):
-    return torch.device("cpu") if name == "cpu" else _cuda()
 
 
 def _t(a, device):

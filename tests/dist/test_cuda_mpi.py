@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
+from devices import cuda_or_skip  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -20,10 +21,9 @@ TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-5, torch.flo
 @pytest.fixture
 def cuda(request):
     """This rank's CUDA device, with the "hpcdp" process group up (``pg``)."""
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA is not available in this process (no GPU or CPU-only torch build)")
+    device = cuda_or_skip()
     request.getfixturevalue("pg")
-    return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _same_bits_everywhere(t: torch.Tensor) -> bool:

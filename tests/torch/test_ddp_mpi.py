@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hpcdp  # noqa: E402
+from devices import DEVICES, device as _device  # noqa: E402
 from hpcdp.errors import (ModelMismatchError, ReplicaMismatchError,  # noqa: E402
                                 UnusedParametersError)
 
@@ -262,18 +263,6 @@ def test_find_unused_parameters_matches_single_process(world):
     assert model.spare.weight.grad is None and model.spare.bias.grad is None
     assert (model.head_b.weight.grad is None) == (size == 1)
     hpcdp.check_replicas(model)
-
-
-#: the buffer tests run on the CPU and, where CUDA is present, on this rank's GPU
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-def _device(name):
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA is not available in this process (no GPU or CPU-only torch build)")
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 @pytest.mark.parametrize("device", DEVICES)

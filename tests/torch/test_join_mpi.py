@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hpcdp  # noqa: E402
+from devices import cuda_or_skip  # noqa: E402
 from hpcdp import preempt  # noqa: E402
 from hpcdp.errors import MismatchError, UnevenInputsError  # noqa: E402
 from hpcdp.trace import EventKind as K  # noqa: E402
@@ -173,11 +174,9 @@ def test_distributed_optimizer_join_equals_one_process(world, passes, backwards)
 def test_uneven_steps_on_cuda(world):
     """The same on this rank's GPU (skipped without CUDA): shadowed buckets are zeroed on
     the device, the final state is broadcast from device memory."""
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA is not available in this process (no GPU or CPU-only torch build)")
+    device = cuda_or_skip()
     rank, size = world.Get_rank(), world.Get_size()
     counts = COUNTS["rank0-without-data"][:size]
-    device = torch.device("cuda", torch.cuda.current_device())
     model = _Reversed().to(device)
     ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=0.0001, bucket_cap_mb=0.0004)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)

@@ -12,24 +12,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hpcdp  # noqa: E402
+from devices import DEVICES, device as _device  # noqa: E402
 from hpcdp.errors import MismatchError, UnevenInputsError  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
 B, STEPS = 13, 4
 TIGHT = dict(rtol=1e-9, atol=1e-11)
-#: run on the CPU and, where CUDA is present, on this rank's GPU
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-def _device(name):
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA is not available in this process (no GPU or CPU-only torch build)")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def _share(n, size, rank):
     base, extra = divmod(n, size)
     lo = rank * base + min(rank, extra)

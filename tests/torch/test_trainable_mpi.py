@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import hpcdp  # noqa: E402
+from devices import cuda_or_skip  # noqa: E402
 from hpcdp.errors import ModelMismatchError  # noqa: E402
 from hpcdp.optim import OneBitSGD  # noqa: E402
 
@@ -91,29 +92,35 @@ def _trainable_names(model):
     return sorted(n for n, p in model.named_parameters() if p.requires_grad)
 
 
+def _ddp_follows_the_schedule(world, device="cpu", tol=TIGHT, caps=(0.0005, 0.003), **ddp_args):
+    """DDP on ``device`` trained under the schedule equals the CPU reference after every
+    step, with identical replicas and buckets that hold exactly the trainable parameters
+    from the step after each change."""
+    ref, model = _mlp(), _mlp().to(device)
+    _schedule(ref, 0)
+    _schedule(model, 0)
+    ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=caps[0], bucket_cap_mb=caps[1],
+                                        **ddp_args)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def identical_and_laid_out(step):
+        _gather_equal(world, hpcdp.check_replicas(model))
+        laid_out = sorted(n for bucket in ddp.bucket_layout() for n in bucket)
+        assert laid_out == _trainable_names(model), (step, laid_out)
+
+    _train_under_schedule(world, model, ddp, opt, ref, ref_opt, identical_and_laid_out, device, tol)
+    assert ddp.comm_stats["iterations"] == STEPS
+
+
 @pytest.mark.parametrize("find_unused", [False, True], ids=["strict", "find-unused"])
 @pytest.mark.parametrize("as_view", [True, False], ids=["grad-view", "grad-copy"])
 @pytest.mark.parametrize("caps", [(0.0005, 0.003), (1, 25)], ids=["buckets", "1-bucket"])
 def test_ddp_follows_freezing_and_unfreezing_like_single_process(world, find_unused, as_view, caps):
     """Before the fix, the layer unfrozen at step 2 kept its local gradient (replicas
     diverged silently), and the layer frozen at step 4 raised UnusedParametersError."""
-    ref, model = _mlp(), _mlp()
-    _schedule(ref, 0)
-    _schedule(model, 0)
-    ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=caps[0], bucket_cap_mb=caps[1],
-                                        find_unused_parameters=find_unused,
-                                        gradient_as_bucket_view=as_view)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-
-    def identical_and_laid_out(step):
-        _gather_equal(world, hpcdp.check_replicas(model))
-        # from the step after a change, the buckets hold exactly the trainable parameters
-        laid_out = sorted(n for bucket in ddp.bucket_layout() for n in bucket)
-        assert laid_out == _trainable_names(model), (step, laid_out)
-
-    _train_under_schedule(world, model, ddp, opt, ref, ref_opt, identical_and_laid_out)
-    assert ddp.comm_stats["iterations"] == STEPS
+    _ddp_follows_the_schedule(world, caps=caps, find_unused_parameters=find_unused,
+                              gradient_as_bucket_view=as_view)
 
 
 @pytest.mark.gpu
@@ -122,25 +129,8 @@ def test_ddp_follows_freezing_and_unfreezing_on_cuda(world, find_unused):
     """The same on this rank's GPU (skipped without CUDA): newly trainable gradients are
     averaged from device memory and the new buckets lie on the device. The CPU reference
     agrees to float64 rounding (CUDA kernels sum in another order)."""
-    if not torch.cuda.is_available():
-        pytest.skip("CUDA is not available in this process (no GPU or CPU-only torch build)")
-    device = torch.device("cuda", torch.cuda.current_device())
-    ref, model = _mlp(), _mlp().to(device)
-    _schedule(ref, 0)
-    _schedule(model, 0)
-    ddp = hpcdp.DistributedDataParallel(model, first_bucket_mb=0.0005, bucket_cap_mb=0.003,
-                                        find_unused_parameters=find_unused)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-
-    def identical_and_laid_out(step):
-        _gather_equal(world, hpcdp.check_replicas(model))
-        laid_out = sorted(n for bucket in ddp.bucket_layout() for n in bucket)
-        assert laid_out == _trainable_names(model), (step, laid_out)
-
-    _train_under_schedule(world, model, ddp, opt, ref, ref_opt, identical_and_laid_out, device=device,
-                          tol=dict(rtol=1e-7, atol=1e-9))
-    assert ddp.comm_stats["iterations"] == STEPS
+    _ddp_follows_the_schedule(world, cuda_or_skip(), dict(rtol=1e-7, atol=1e-9),
+                              find_unused_parameters=find_unused)
 
 
 def test_distributed_optimizer_follows_freezing_and_unfreezing(world):
