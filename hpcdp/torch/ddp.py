@@ -20,6 +20,7 @@ from .._runtime import init, is_initialized, model_collectives, runtime
 from .functions import broadcast_tensors, check_same_across_ranks, tensor_signature
 from .join import Join
 from .reducer import Reducer
+from .syncbn import warn_torch_sync_batchnorm
 from .tied import TiedEmbeddings
 from .tracing import open_step_tracer
 
@@ -81,6 +82,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.first_bucket_mb = first_bucket_mb
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._require_sync = True
+        warn_torch_sync_batchnorm(module, _OWNER, rt.rank)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         buffers = list(module.named_buffers())

@@ -28,12 +28,14 @@ the same order (under ``torch.no_grad()`` too, e.g. recomputing the statistics a
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..collectives import allreduce
 from .functions import _runtime
 
-__all__ = ["SyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "warn_torch_sync_batchnorm"]
 
 
 class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
@@ -101,6 +103,25 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             if converted is not child:
                 module.add_module(name, converted)
         return module
+
+
+def warn_torch_sync_batchnorm(module: torch.nn.Module, owner: str, rank: int) -> None:
+    """Warn (on rank 0) when ``module`` has ``torch.nn.SyncBatchNorm`` layers and there is
+    no torch.distributed process group: torch's layer then falls back to plain BatchNorm,
+    each rank normalising with its own batch, without a word."""
+    names = [n for n, m in module.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+    if not names or rank != 0:
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    warnings.warn(
+        f"{owner}: torch.nn.SyncBatchNorm layer {names[0]!r}{more} will normalise with each rank's "
+        "own batch: torch's layer synchronises only through a torch.distributed process group, "
+        "and none is initialised. Convert the model with "
+        "hpcdp.SyncBatchNorm.convert_sync_batchnorm(model) before wrapping it (it takes torch's "
+        "layers too), or use torch.nn.BatchNorm if per-rank statistics are what you want",
+        UserWarning, stacklevel=3)
 
 
 def _refuse_shadowed_join(rt, name: str) -> None:

@@ -207,3 +207,31 @@ def test_under_torch_compile_equals_eager(world):
             opt.step()
     _assert_state_close(models[0], models[1], f"rank {rank}: compiled against eager", rtol=1e-5, atol=1e-6)
     _gather_equal(world, hpcdp.check_replicas(models[0]))
+
+
+def test_torch_sync_batchnorm_without_a_process_group_is_named_on_rank_0(world):
+    """torch.nn.SyncBatchNorm with no torch.distributed group falls back to each rank's own
+    batch without a word; wrapping such a model says so (rank 0), and converting first
+    gives the global statistics."""
+    import warnings
+    rank = world.Get_rank()
+    assert not torch.distributed.is_initialized()
+    def build():
+        return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.SyncBatchNorm(6), torch.nn.ReLU(),
+                                   torch.nn.Linear(6, 2), torch.nn.SyncBatchNorm(2))
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hpcdp.DistributedDataParallel(build())
+    said = [str(w.message) for w in caught if "SyncBatchNorm" in str(w.message)]
+    if rank == 0:
+        assert len(said) == 1 and "layer '1' and 1 more will normalise with each rank's own batch" \
+            in said[0] and "hpcdp.SyncBatchNorm.convert_sync_batchnorm(model)" in said[0], said
+    else:
+        assert said == [], said
+    model = hpcdp.SyncBatchNorm.convert_sync_batchnorm(build())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hpcdp.DistributedDataParallel(model)
+    assert not [w for w in caught if "SyncBatchNorm" in str(w.message)]
+    assert type(model[1]) is hpcdp.SyncBatchNorm and type(model[4]) is hpcdp.SyncBatchNorm
