@@ -81,8 +81,9 @@ class _Runtime:
         # while ranks shadow the steps inside a join() context: the context and those ranks
         # (hpcdp.torch.join), which other collectives of the training ranks would wait for
         self.join_shadowing = None
-        # the active join() context (hpcdp.torch.join), for collectives in a model's forward
-        self.join = None
+        # the active join() contexts (hpcdp.torch.join; one per wrapper), for collectives in a
+        # model's forward
+        self.joins = []
         self._cross = None
         self.device = "cpu"
         self.cuda = False

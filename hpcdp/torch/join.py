@@ -104,7 +104,8 @@ class Join:
         if self.reducer.join is not None:
             raise RuntimeError(f"rank {self.reducer.rt.rank}: {self.reducer.owner}.join() "
                                "is already active; join contexts do not nest")
-        self.reducer.join = self.reducer.rt.join = self
+        self.reducer.join = self
+        self.reducer.rt.joins.append(self)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -112,7 +113,8 @@ class Join:
             if exc_type is None:
                 self._shadow_until_all_joined()
         finally:
-            self.reducer.join = self.reducer.rt.join = None
+            self.reducer.join = None
+            self.reducer.rt.joins.remove(self)
             self.reducer.layout_root = 0
             self.reducer.rt.join_shadowing = None
         return False

@@ -129,8 +129,8 @@ def _refuse_shadowed_join(rt, name: str) -> None:
     no forward, so they cannot take part in the statistics: only a DDP join that raises
     when the first rank runs out (its round comes before the forward) keeps every rank in
     step."""
-    join = rt.join
-    if join is None or (join.throw and not join.in_backward):
+    join = next((j for j in rt.joins if not j.throw or j.in_backward), None)
+    if join is None:
         return
     how = ("DistributedOptimizer.join() starts its rounds in backward, after the forward"
            if join.in_backward else "ranks that ran out of inputs run no forward")

@@ -235,3 +235,24 @@ def test_torch_sync_batchnorm_without_a_process_group_is_named_on_rank_0(world):
         hpcdp.DistributedDataParallel(model)
     assert not [w for w in caught if "SyncBatchNorm" in str(w.message)]
     assert type(model[1]) is hpcdp.SyncBatchNorm and type(model[4]) is hpcdp.SyncBatchNorm
+
+
+def test_any_active_join_that_shadows_is_refused(world):
+    """Two wrappers (a GAN's): inside the discriminator's plain join(), the generator's
+    SyncBatchNorm is refused, inside a throwing join of its own too; after both, the
+    global statistics again."""
+    rank, size = world.Get_rank(), world.Get_size()
+    outer = hpcdp.DistributedDataParallel(torch.nn.Linear(3, 3))
+    model = hpcdp.SyncBatchNorm.convert_sync_batchnorm(_convnet())
+    inner = hpcdp.DistributedDataParallel(model)
+    x, y = _batches(1)[0]
+    refused = pytest.raises(ValueError, match=r"SyncBatchNorm\(4\) in a training forward inside "
+                                              r"hpcdp\.DistributedDataParallel\.join\(\)")
+    with outer.join():
+        with refused:
+            with inner.join(throw_on_early_termination=True):
+                _local_loss(inner, x, y, rank, size)
+        with refused:
+            _local_loss(inner, x, y, rank, size)
+    _local_loss(inner, x, y, rank, size).backward()
+    _gather_equal(world, hpcdp.check_replicas(model))
