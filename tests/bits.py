@@ -17,3 +17,17 @@ def assert_identical_everywhere(world, arr, what: str = ""):
     bad = [r for r, b in enumerate(everyone) if b != everyone[0]]
     assert not bad, f"rank {world.Get_rank()}: {what + ': ' if what else ''}ranks {bad} hold " \
                     "different bits than rank 0"
+
+
+def share(n: int, size: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows ``[lo, hi)`` of ``n`` split over ``size`` ranks as evenly as can
+    be, the first ``n % size`` ranks one more."""
+    base, extra = divmod(n, size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def gather_equal(world, obj):
+    """Every rank of ``world`` holds an equal ``obj`` (asserted on every rank)."""
+    everyone = world.allgather(obj)
+    assert all(o == everyone[0] for o in everyone), everyone

@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from bits import gather_equal as _gather_equal  # noqa: E402
 import hpcdp  # noqa: E402
 from hpcdp import models  # noqa: E402
 from hpcdp.models.gpt2 import GPT2, GPT2Config  # noqa: E402
@@ -21,11 +22,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 STEPS = 3
 CLOSE = dict(rtol=1e-4, atol=1e-5)  # float32, summed in another order
 TIGHT = dict(rtol=1e-10, atol=1e-12)  # float64
-
-
-def _gather_equal(world, obj):
-    everyone = world.allgather(obj)
-    assert all(o == everyone[0] for o in everyone), everyone
 
 
 def _assert_close(named_a, named_b, what, tol=CLOSE):

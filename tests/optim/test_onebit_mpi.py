@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 import hpcdp  # noqa: E402
 from hpcdp.optim import OneBitAdam, OneBitSGD  # noqa: E402
 
+from bits import share  # noqa: E402
 from optim_reference import Reference  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -40,12 +41,6 @@ def _batch(step, zero_column=None):
     return x, torch.randint(0, 4, (B,), generator=g)
 
 
-def _share(size, rank):
-    base, extra = divmod(B, size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
-
-
 def _loss(model, x, y, size):
     return torch.nn.functional.cross_entropy(model(x), y, reduction="sum") * (size / B)
 
@@ -54,7 +49,7 @@ def _local_grads(model, params, x, y, size):
     """Every rank's local gradient, as each rank computes it (same model, its share)."""
     grads = []
     for r in range(size):
-        lo, hi = _share(size, r)
+        lo, hi = share(B, size, r)
         for p in params:
             p.grad = None
         _loss(model, x[lo:hi], y[lo:hi], size).backward()
@@ -71,7 +66,7 @@ def _train(world, make_opt, kind, steps, caps=(1, 25), **hyper):
     opt = make_opt(ddp)
     ref_params = [dict(ref_model.named_parameters())[n] for n in ddp.reducer.names]
     ref = Reference(ref_params, kind, size, **hyper)
-    lo, hi = _share(size, rank)
+    lo, hi = share(B, size, rank)
     for step in range(steps):
         x, y = _batch(step)
         layout = ddp.bucket_layout()
@@ -146,7 +141,7 @@ def test_warmup_equals_torch_optimizers(world):
         model, twin = _model(), _model()
         ddp = hpcdp.DistributedDataParallel(model, compression="onebit")
         opt, topt = make(ddp), make_torch(twin.parameters())
-        lo, hi = _share(size, rank)
+        lo, hi = share(B, size, rank)
         for step in range(4):
             x, y = _batch(step)
             opt.zero_grad()
@@ -161,7 +156,7 @@ def test_warmup_equals_torch_optimizers(world):
 
 def _step(ddp, opt, step, size, rank, clip=None):
     x, y = _batch(step)
-    lo, hi = _share(size, rank)
+    lo, hi = share(B, size, rank)
     opt.zero_grad()
     _loss(ddp, x[lo:hi], y[lo:hi], size).backward()
     if clip is not None:
@@ -216,7 +211,7 @@ def test_no_sync_accumulation_equals_one_pass_on_the_union(world):
         d2 = hpcdp.DistributedDataParallel(two, compression="onebit")
         o1 = OneBitSGD(d1, lr=0.05, warmup_steps=0, overlap=overlap)
         o2 = OneBitSGD(d2, lr=0.05, warmup_steps=0, overlap=overlap)
-        lo, hi = _share(size, rank)
+        lo, hi = share(B, size, rank)
         for step in range(3):
             x, y = _batch(step)
             x, y = x[lo:hi], y[lo:hi]
@@ -263,7 +258,7 @@ def test_zero_gradients_stay_put(world, kind):
            else OneBitAdam(ddp, lr=1e-2, warmup_steps=3))
     spare = [p.detach().clone() for p in model["spare"].parameters()]
     column = model["net"][0].weight[:, 2].detach().clone()
-    lo, hi = _share(size, rank)
+    lo, hi = share(B, size, rank)
     for step in range(8):
         x, y = _batch(step, zero_column=2)
         opt.zero_grad()

@@ -13,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from bits import gather_equal as _gather_equal, share as _share  # noqa: E402
 import hpcdp  # noqa: E402
 from devices import DEVICES, device as _device  # noqa: E402
 from hpcdp.errors import (ModelMismatchError, ReplicaMismatchError,  # noqa: E402
@@ -23,12 +24,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 B = 13          # global batch: uneven shares at np = 2, 3, 4
 STEPS = 5
 TIGHT = dict(rtol=1e-9, atol=1e-12)
-
-
-def _share(n, size, rank):
-    base, extra = divmod(n, size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
 
 
 def _mlp(seed=0, widths=(10, 32, 16, 4)):
@@ -54,11 +49,6 @@ def _local_loss(out, y, size, n_global):
 def _assert_same_params(a, b, **tol):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.allclose(p, q, **(tol or TIGHT)), f"{name}: max diff {(p - q).abs().max()}"
-
-
-def _gather_equal(world, obj):
-    everyone = world.allgather(obj)
-    assert all(o == everyone[0] for o in everyone), everyone
 
 
 # ---------------------------------------------------------------------------- DDP

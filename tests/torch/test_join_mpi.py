@@ -10,6 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from bits import gather_equal as _gather_equal  # noqa: E402
 import hpcdp  # noqa: E402
 from devices import cuda_or_skip  # noqa: E402
 from hpcdp import preempt  # noqa: E402
@@ -58,11 +59,6 @@ def _reference(counts, size, accumulate, dtype=torch.float64):
         (loss / size).backward()
         opt.step()
     return ref
-
-
-def _gather_equal(world, obj):
-    everyone = world.allgather(obj)
-    assert all(o == everyone[0] for o in everyone), everyone
 
 
 def _momentum_digest(opt):

@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from bits import gather_equal as _gather_equal, share as _share  # noqa: E402
 import hpcdp  # noqa: E402
 from devices import DEVICES, device as _device  # noqa: E402
 from hpcdp.errors import MismatchError, UnevenInputsError  # noqa: E402
@@ -19,12 +20,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
 B, STEPS = 13, 4
 TIGHT = dict(rtol=1e-9, atol=1e-11)
-def _share(n, size, rank):
-    base, extra = divmod(n, size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
-
-
 def _convnet(**bn):
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, **bn), torch.nn.ReLU(),
@@ -56,11 +51,6 @@ def _assert_state_close(model, ref, what, **tol):
         p = p.cpu()
         assert torch.allclose(p.double(), q.double(), **(tol or TIGHT)), \
             f"{what}: {name}: max diff {(p.double() - q.double()).abs().max()}"
-
-
-def _gather_equal(world, obj):
-    everyone = world.allgather(obj)
-    assert all(o == everyone[0] for o in everyone), everyone
 
 
 @pytest.mark.parametrize("device", DEVICES)

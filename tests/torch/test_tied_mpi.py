@@ -14,6 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from bits import gather_equal as _gather_equal, share as _share  # noqa: E402
 import hpcdp  # noqa: E402
 from hpcdp.optim import OneBitAdam, OneBitSGD  # noqa: E402
 
@@ -38,12 +39,6 @@ class _TinyLM(torch.nn.Module):
         return self.out(torch.tanh(self.hidden(self.emb(x))))
 
 
-def _share(n, size, rank):
-    base, extra = divmod(n, size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
-
-
 def _batches(n, seed=1):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randint(0, VOCAB, (B, SEQ), generator=g), torch.randint(0, VOCAB, (B, SEQ), generator=g))
@@ -58,11 +53,6 @@ def _local_step(world, ddp, x, y, n_tokens):
     rank, size = world.Get_rank(), world.Get_size()
     lo, hi = _share(B, size, rank)
     _loss(ddp(x[lo:hi]), y[lo:hi], size / n_tokens).backward()
-
-
-def _gather_equal(world, obj):
-    everyone = world.allgather(obj)
-    assert all(o == everyone[0] for o in everyone), everyone
 
 
 def _assert_close(a, b, what):

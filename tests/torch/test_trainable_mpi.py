@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from bits import gather_equal as _gather_equal, share as _share  # noqa: E402
 import hpcdp  # noqa: E402
 from devices import cuda_or_skip  # noqa: E402
 from hpcdp.errors import ModelMismatchError  # noqa: E402
@@ -18,12 +19,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
 B, STEPS = 13, 6
 TIGHT = dict(rtol=1e-9, atol=1e-12)
-
-
-def _share(n, size, rank):
-    base, extra = divmod(n, size)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (1 if rank < extra else 0)
 
 
 def _mlp(dtype=torch.float64):
@@ -81,11 +76,6 @@ def _train_under_schedule(world, model, wrapped, opt, ref, ref_opt, after_step=N
         _assert_close(model, ref, step, tol)
         if after_step is not None:
             after_step(step)
-
-
-def _gather_equal(world, obj):
-    everyone = world.allgather(obj)
-    assert all(o == everyone[0] for o in everyone), everyone
 
 
 def _trainable_names(model):
