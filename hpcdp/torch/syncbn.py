@@ -109,10 +109,10 @@ def warn_torch_sync_batchnorm(module: torch.nn.Module, owner: str, rank: int) ->
     """Warn (on rank 0) when ``module`` has ``torch.nn.SyncBatchNorm`` layers and there is
     no torch.distributed process group: torch's layer then falls back to plain BatchNorm,
     each rank normalising with its own batch, without a word."""
-    names = [n for n, m in module.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
-    if not names or rank != 0:
+    if rank != 0 or (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    names = [n for n, m in module.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+    if not names:
         return
     more = f" and {len(names) - 1} more" if len(names) > 1 else ""
     warnings.warn(
