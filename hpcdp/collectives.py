@@ -133,6 +133,7 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
     """Generator: the check, then the shared-memory allreduce, the two-level one, the plain
     ring, a ring codec's ring, a two-phase or a low-rank codec."""
     average = op == _OPS["avg"]
+    buf.ops.follow()  # (run by the progress thread: its stream must wait for the producer's)
     if comp is not None and comp.collective != "ring":
         state = rt.codec_states.get(comp, buf.name, buf.n) if state is None else state
     if comp is not None and comp.collective == "lowrank":
@@ -496,6 +497,7 @@ def _broadcast_gen(rt, ctx, buf, root: int):
     ctx.at(f"broadcast from rank {root}")
     if rt.size == 1 or buf.n == 0:
         return
+    buf.ops.follow()
     if buf.kind == "device" and not rt.cuda_aware:
         host = rt.staging(buf)
         if rt.rank == root:

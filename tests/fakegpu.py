@@ -99,6 +99,7 @@ class FakeTorchOps(TorchCudaOps):
     staged_out = 0
     downloaded = 0    # payload bytes copied device -> host
     uploaded = 0      # payload bytes copied host -> device
+    copies = []       # "follow" (a wait for the producer's stream) and each copy, in order
 
     def __init__(self, dtype):
         super().__init__(dtype, torch.device("cpu"))
@@ -106,12 +107,17 @@ class FakeTorchOps(TorchCudaOps):
     @classmethod
     def reset(cls):
         cls.syncs = cls.staged_in = cls.staged_out = cls.downloaded = cls.uploaded = 0
+        cls.copies = []
 
     def ready(self):
         FakeTorchOps.syncs += 1
 
+    def follow(self):
+        FakeTorchOps.copies.append("follow")
+
     def to_host(self, src, dst):
         FakeTorchOps.staged_in += 1
+        FakeTorchOps.copies.append("to_host")
         super().to_host(src, dst)
 
     def from_host(self, src, dst):
@@ -126,6 +132,7 @@ class FakeTorchOps(TorchCudaOps):
 
     def download(self, src, dst):
         FakeTorchOps.downloaded += dst.nbytes
+        FakeTorchOps.copies.append("download")
         super().download(src, dst)
 
     def upload(self, src, dst):

@@ -51,6 +51,10 @@ class ArrayOps:
     def ready(self) -> None:
         """Block until pending device work on the buffers is done (MPI reads next)."""
 
+    def follow(self) -> None:
+        """Queue this thread's next device work on the buffers after the work that produced
+        them (on the device: no wait here)."""
+
     # device kinds only: copies to and from host staging memory
     def to_host(self, src, dst: np.ndarray) -> None:
         raise NotImplementedError
@@ -108,8 +112,9 @@ class TorchCudaOps(ArrayOps):
 
     Made on the caller's thread when an operation is submitted, it remembers the
     caller's current stream there (the one that produced the tensor, e.g. a side
-    stream of the user's, or autograd's): :meth:`ready` waits for it as well as
-    for the stream the progress thread queued its own work on."""
+    stream of the user's, or autograd's): :meth:`follow` makes the progress thread's
+    current stream wait for it before any of the operation's own device work (copies,
+    reductions, encoding), and :meth:`ready` waits for both on the host."""
 
     kind = "device"
 
@@ -137,7 +142,15 @@ class TorchCudaOps(ArrayOps):
         if current != self._producer:
             current.synchronize()
 
+    def follow(self):
+        if self._producer is None:  # (the tests' stand-in)
+            return
+        current = self._torch.cuda.current_stream(self.device)
+        if current != self._producer:
+            current.wait_stream(self._producer)
+
     def to_host(self, src, dst):
+        self.follow()  # (else the copy can read what the producer has not written yet)
         self._host_tensor(dst).copy_(src, non_blocking=True)
         self.ready()
 

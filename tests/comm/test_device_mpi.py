@@ -83,6 +83,21 @@ def test_staged_device_buffers_take_the_host_algorithm(world, rt, monkeypatch, a
     assert seen == (["ndarray"] if algo == "shm" else [])
 
 
+@pytest.mark.parametrize("compression", [None, "fp16", "onebit", "powersgd"])
+def test_device_work_waits_for_the_producers_stream_first(world, transport, compression):
+    """Run by the progress thread, a device allreduce makes its stream wait for the stream
+    that produced the tensor before its first copy down (or encoding): else the copy can
+    read what a side stream has not written yet (seen on an H200, staged)."""
+    comp = PowerSGD(rank=2, start_steps=0) if compression == "powersgd" else compression
+    host = np.ones(1001, np.float32)
+    FakeTorchOps.reset()
+    hpcdp.allreduce_async(FakeCudaTensor.of(host), op="avg", compression=comp,
+                          name=f"follow-{compression}").wait()
+    assert FakeTorchOps.copies[0] == "follow", FakeTorchOps.copies
+    if not transport and world.Get_size() > 1 and compression != "powersgd":
+        assert {"to_host", "download"} & set(FakeTorchOps.copies)
+
+
 def test_fake_device_broadcast(world, transport):
     rank = world.Get_rank()
     host = np.full(33, float(rank), dtype=np.float64)
