@@ -1,7 +1,8 @@
 """The "hpcdp" backend's device path, on CPU: a tensor posing as CUDA memory
 (tests/fakegpu.py) goes through hpcdp's device allreduce, which waits for the producing
-stream (``ready``) and, MPI not being CUDA-aware here, stages through host memory; other
-collectives stage it through a host copy. Every assertion holds on every rank."""
+stream (``ready``) and, made to stage (as where MPI is not CUDA-aware), copies it through
+host memory; other collectives stage it through a host copy. Every assertion holds on
+every rank."""
 import numpy as np
 import pytest
 
@@ -11,6 +12,13 @@ import torch.distributed as dist  # noqa: E402
 from fakegpu import FakeCudaTensor, FakeTorchOps  # noqa: E402
 
 pytestmark = [pytest.mark.mpi, pytest.mark.gpu, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(autouse=True)
+def staged(rt, monkeypatch):
+    """The staged transport, also under a CUDA-aware MPI (where device memory, the fake
+    tensor's host memory, would go to MPI as it is)."""
+    monkeypatch.setattr(rt, "cuda_aware", False)
 
 
 @pytest.mark.parametrize("op", [dist.ReduceOp.SUM, dist.ReduceOp.AVG])
