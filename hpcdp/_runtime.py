@@ -93,9 +93,12 @@ class _Runtime:
             index = self.local_rank % torch.cuda.device_count()
             torch.cuda.set_device(index)
             self.device = f"cuda:{index}"
-        from .comm.cuda import detect_cuda_aware, loaded_libmpi
+        from .comm.cuda import FORCED, detect_cuda_aware, loaded_libmpi
         from .comm.waiting import decide_wait
         self.cuda_aware, self.cuda_aware_how = detect_cuda_aware(vendor)
+        # device memory where MPI is CUDA-aware: "auto" (the calibration's faster transport
+        # per size, see direct()), or "direct" / "staged" at every size
+        self.transport = "direct" if self.cuda_aware_how == FORCED else "auto"
         self.yield_cpu, self.wait_how = decide_wait(self.local_size, os.cpu_count() or 1,
                                                     loaded_libmpi())
         self.cpu_share, self.cpu_share_how = _cpu_share(self.local)
@@ -243,12 +246,34 @@ class _Runtime:
             self._staging[key] = t
         return t[:buf.n]
 
+    def direct(self, nbytes: int) -> bool:
+        """Whether a collective passes ``nbytes`` of device memory to MPI as it is (else it
+        stages them through pinned host memory): never where MPI is not CUDA-aware; at
+        every size with ``HPCDP_CUDA_AWARE=1``; else where rank 0's calibration measured
+        the direct transport faster at that size, or measured neither
+        (:meth:`~hpcdp.comm.costmodel.Calibration.device_transport`). The same answer on
+        every CUDA-aware rank."""
+        if not self.cuda_aware or self.transport == "staged":
+            return False
+        if self.transport == "direct":
+            return True
+        pick = self._auto.get(("device", nbytes))
+        if pick is None:
+            pick = self._auto[("device", nbytes)] = self.calibration.device_transport(nbytes)
+        return pick == "direct"
+
     def staging_mode(self) -> str:
         if not self.cuda:
             return "host (no CUDA device in this process)"
-        if self.cuda_aware:
-            return "cuda-aware: device buffers are passed to MPI directly"
-        return "staged: device buffers are copied through pinned host memory"
+        if not self.cuda_aware:
+            return "staged: device buffers are copied through pinned host memory"
+        if self.transport == "direct":
+            return "cuda-aware: device buffers are passed to MPI directly (HPCDP_CUDA_AWARE=1)"
+        cal = self.calibration
+        if not (cal.device_direct and cal.device_staged):
+            return ("cuda-aware: device buffers are passed to MPI directly (not calibrated: "
+                    "hpcdp-bench calibrate times both transports on a GPU)")
+        return "cuda-aware: by size, the transport the calibration measured faster (transport_picks)"
 
 
 _rt: _Runtime | None = None
@@ -544,6 +569,9 @@ def info() -> dict:
         "cuda_aware": rt.cuda_aware,
         "cuda_aware_how": rt.cuda_aware_how,
         "staging": rt.staging_mode(),
+        "transport_picks": {label: "direct" if rt.direct(nbytes) else "staged" for label, nbytes in
+                            (("64KiB", 64 << 10), ("1MiB", 1 << 20), ("25MiB", 25 << 20))}
+        if rt.cuda else {},
         "wait": "yield" if rt.yield_cpu else "spin",
         "wait_how": rt.wait_how,
         "cpu_share": rt.cpu_share,

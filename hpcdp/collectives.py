@@ -139,7 +139,8 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
     if comp is not None and comp.collective == "lowrank":
         yield from _lowrank_gen(rt, ctx, buf, op, check, comp, state, algo)
         return
-    if buf.kind == "device" and comp is None and not rt.cuda_aware:
+    direct = _direct(rt, buf)
+    if buf.kind == "device" and comp is None and not direct:
         with _staged(rt, buf) as host:  # (reduced as a host buffer: see _pick_algo)
             yield from _allreduce_gen(rt, ctx, host, op, check, blocking, None, None, algo)
         return
@@ -165,11 +166,10 @@ def _allreduce_gen(rt, ctx, buf, op: int, check: bool, blocking: bool, comp, sta
     elif comp is None:
         yield from _plain_gen(rt, ctx, buf, average, blocking)
     elif comp.collective == "two_phase":
-        yield from twophase_allreduce(ctx, buf.data, comp, state, average,
-                                      space_for(buf, rt.cuda_aware))
+        yield from twophase_allreduce(ctx, buf.data, comp, state, average, space_for(buf, direct))
     else:
-        space = space_for(buf, rt.cuda_aware)
-        frames, tmp = _codec_frames(rt, buf, comp, space, 1.0 / rt.size if average else 1.0)
+        space = space_for(buf, direct)
+        frames, tmp = _codec_frames(rt, buf, comp, space, direct, 1.0 / rt.size if average else 1.0)
         yield from ring_allreduce(ctx, buf.n, frames, tmp, _cfg, np.dtype(comp.wire_dtype).itemsize)
         if ctx.stats is not None:
             ctx.stats["nonfinite"] = bool(comp.has_nonfinite(frames.wire))
@@ -211,7 +211,12 @@ def _across(rt, cross, window, buf, comp, state, slices: int):
                              _cfg, rt.across_kind)
 
 
-def _codec_frames(rt, buf, comp, space, scale: float):
+def _direct(rt, buf) -> bool:
+    """Whether device buffer ``buf`` goes to MPI as it is (see ``_Runtime.direct``)."""
+    return buf.kind == "device" and rt.direct(buf.n * buf.dtype.itemsize)
+
+
+def _codec_frames(rt, buf, comp, space, direct: bool, scale: float):
     """A ring codec's frames over float32 ``buf`` and the receive slots: host memory; device
     memory that MPI reads (CUDA-aware); or device memory mirrored in pinned host memory,
     so that only frames are staged, never the float32 data."""
@@ -223,7 +228,7 @@ def _codec_frames(rt, buf, comp, space, scale: float):
                 rt.scratch("wire-tmp", nslots, wire_dtype))
     ops = buf.ops
     wire = ops.empty(buf.n, comp.torch_wire_dtype)
-    if rt.cuda_aware:
+    if direct:
         return (CodecFrames(comp, buf.data, wire, wire, scale, space),
                 ops.empty(nslots, comp.torch_wire_dtype))
     mirror = ops.pinned(buf.n * wire_dtype.itemsize).view(wire_dtype)
@@ -242,9 +247,9 @@ def _plain_gen(rt, ctx, buf, average: bool, blocking: bool):
 
 @contextlib.contextmanager
 def _staged(rt, buf):
-    """Device buffer ``buf`` as host memory, where MPI is not CUDA-aware: the whole buffer
-    copied down to the pinned staging memory, reduced there by the caller as a host
-    buffer, and copied back up when the block ends (not after an error)."""
+    """Device buffer ``buf`` as host memory, where it is staged (``_Runtime.direct``): the
+    whole buffer copied down to the pinned staging memory, reduced there by the caller as a
+    host buffer, and copied back up when the block ends (not after an error)."""
     host = Buffer(rt.staging(buf), buf.n, buf.dtype, host_ops(buf.dtype), buf.name)
     buf.ops.to_host(buf.data, host.data)
     yield host
@@ -353,8 +358,9 @@ def allreduce_async(x, op: str = "sum", name: str | None = None, check: bool = T
     ``$HPCDP_ACROSS`` or the cost model picks, see :mod:`hpcdp.comm.twolevel`) or ``"auto"`` (the cost
     model's pick for the size and topology, see :mod:`hpcdp.comm.costmodel`); default
     ``$HPCDP_ALGO`` or ``"auto"``. It applies to host buffers and to device buffers
-    staged through pinned host memory (MPI not CUDA-aware); device memory that a
-    CUDA-aware MPI reads keeps the ring. Compression composes with ``"two_level"``: fp16,
+    staged through pinned host memory (MPI not CUDA-aware, or staging measured faster
+    at this size by ``hpcdp-bench calibrate``); device memory that a CUDA-aware MPI
+    reads keeps the ring. Compression composes with ``"two_level"``: fp16,
     bf16 and 1-bit compress its stage across nodes only (the sums inside a node stay
     exact; fp16 and bf16 by the stage the cost model picks for their frames' bytes);
     PowerSGD's two sums of factors take what ``algo`` picks for their sizes. Elsewhere
@@ -440,7 +446,8 @@ def _plan_round(rt, buf, opcode: int, check: bool, algo):
 def _pick_algo(rt, algo, buf, comp) -> str:
     """The algorithm this call runs: ``algo``, else ``$HPCDP_ALGO`` (read at init), else
     ``"auto"``. It applies to host buffers and to device buffers staged through host memory
-    (MPI not CUDA-aware: the whole buffer is copied down, reduced there and copied up);
+    (MPI not CUDA-aware, or staging calibrated faster at this size: the whole buffer is
+    copied down, reduced there and copied up);
     device memory that MPI reads, and a ring codec's staged frames, keep the ring. A
     compressed call takes ``two_level`` where the plain call would (the codec compresses its
     stage across nodes only), else the ring; a low-rank codec (PowerSGD) keeps what was
@@ -453,7 +460,7 @@ def _pick_algo(rt, algo, buf, comp) -> str:
         raise ValueError(f"rank {rt.rank}: allreduce of {buf.name!r}: algo='shm' needs every rank "
                          f"on one node, and this job's {rt.size} ranks are on {len(rt.nodes)} "
                          "nodes: use algo='two_level' (or 'auto')")
-    if buf.kind != "host" and (rt.cuda_aware or comp is not None and comp.collective != "lowrank"):
+    if buf.kind != "host" and (_direct(rt, buf) or comp is not None and comp.collective != "lowrank"):
         return "ring"
     if comp is not None and comp.collective == "lowrank":
         return algo  # (its sums pick each for their size, see _sum_gen)
@@ -498,7 +505,7 @@ def _broadcast_gen(rt, ctx, buf, root: int):
     if rt.size == 1 or buf.n == 0:
         return
     buf.ops.follow()
-    if buf.kind == "device" and not rt.cuda_aware:
+    if buf.kind == "device" and not _direct(rt, buf):
         host = rt.staging(buf)
         if rt.rank == root:
             buf.ops.to_host(buf.data, host)

@@ -48,6 +48,11 @@ def test_info_under_mpirun_lists_every_rank():
     assert info["size"] == 2 and [r["rank"] for r in info["ranks"]] == [0, 1]
     assert info["local_size"] == 2 and sorted(r["local_rank"] for r in info["ranks"]) == [0, 1]
     assert info["cuda_aware"] in (True, False) and info["cuda_aware_how"]
+    picks = info["transport_picks"]  # (device memory: by size, passed to MPI or staged)
+    assert picks == {} if not info["cuda"] else \
+        set(picks) == {"64KiB", "1MiB", "25MiB"} and set(picks.values()) <= {"direct", "staged"}
+    if info["cuda"] and not info["cuda_aware"]:
+        assert set(picks.values()) == {"staged"}
     assert info["thread_level"] == "multiple"
 
 

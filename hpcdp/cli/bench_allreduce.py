@@ -14,8 +14,9 @@ the median over trials of the slowest rank's time per call. Trials alternate
 hpcdp and native (A B A B ...) so that drift on a noisy machine hits both.
 
 ``--device cuda`` times CUDA tensors (on the rank's pinned GPU): hpcdp takes
-the tensor as it is (device buffers to MPI where MPI is CUDA-aware, staged
-through pinned host memory where not), and the native peer does what a user
+the tensor as it is (device buffers to MPI where MPI is CUDA-aware and the
+calibration does not measure staging faster at that size, else staged through
+pinned host memory: ``"transport": "direct"|"staged"``), and the native peer does what a user
 would do with the same MPI: ``MPI_Allreduce`` on the device buffer where MPI
 is CUDA-aware, else copy to a pinned host buffer, ``MPI_Allreduce``, copy
 back (``"native": "device"|"staged"`` in the record). Every call ends with a
@@ -165,10 +166,10 @@ def _algos(args) -> list:
 
 def _default_algo(rt, nbytes: int, device: str) -> str:
     """What a default call of this size runs (device memory that a CUDA-aware MPI reads
-    keeps the ring; staged device buffers pick as host ones)."""
+    keeps the ring; staged device buffers pick as host ones, see ``_Runtime.direct``)."""
     from hpcdp.collectives import _pick_algo
     from hpcdp.comm.buffers import as_buffer
-    if device != "cpu" and rt.cuda_aware:
+    if device != "cpu" and rt.direct(nbytes):
         return "ring"
     return _pick_algo(rt, None, as_buffer(np.empty(nbytes // 4, np.float32)), None)
 
@@ -186,6 +187,7 @@ def _record(rt, args, nbytes: int, med: dict, iters: dict, check: bool) -> dict:
            "trials": args.trials, "iters": iters["hpcdp"]}
     if args.device == "cuda":
         rec["native"] = "device" if rt.cuda_aware else "staged"
+        rec["transport"] = "direct" if rt.direct(nbytes) else "staged"
         rec["cuda_aware_how"] = rt.cuda_aware_how
     for algo in _algos(args):
         rec[f"{algo}_time_s"] = med[algo]

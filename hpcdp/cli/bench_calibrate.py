@@ -37,7 +37,14 @@ rank holds the same numbers; rank 0 prints one JSON line and writes the file (de
 * alpha_native: ``MPI_Allreduce`` of 8 bytes on ``MPI_COMM_SELF`` (a native call's own cost);
 * alpha_inter, beta_inter: local rank 0 of the first two nodes exchange 8 bytes and 16 MiB
   (alpha_inter = time(8 B) - alpha_step, beta_inter = 16 MiB / (time(16 MiB) - time(8 B))),
-  only when the job spans nodes.
+  only when the job spans nodes;
+* the ``device_direct`` and ``device_staged`` profiles, where every rank has a GPU and MPI is
+  CUDA-aware: ``hpcdp.allreduce`` (average) of a float32 CUDA tensor at each size of
+  ``costmodel.DEVICE_SIZES`` (4 KiB to 64 MiB), its memory passed to MPI and staged through
+  pinned host memory, in turn, each call ending with a device synchronisation. A CUDA-aware
+  MPI's device path can be much slower than staging (one built without UCX moves device
+  memory in small synchronous copies); ``auto`` then stages where staging was faster
+  (``_Runtime.direct``).
 
 What could not be measured (inter-node constants on one node, point-to-point ones with one
 rank per node) keeps the default and is listed under ``"defaults"``; ``"notes"`` says why.
@@ -270,6 +277,37 @@ def _flag_round(local, MPI, reps: int) -> float:
         window.free()
 
 
+def _device(rt, world, MPI, reps: int, out: dict, notes: dict) -> None:
+    """The ``device_direct`` and ``device_staged`` profiles (see the module docstring)."""
+    why = None if rt.cuda else "no CUDA device in this process"
+    if why is None and not rt.cuda_aware:
+        why = f"MPI is not CUDA-aware ({rt.cuda_aware_how}): device buffers are always staged"
+    if not world.allreduce(why is None, op=MPI.LAND):
+        notes["device_direct"] = notes["device_staged"] = why or "a rank has no GPU or no CUDA-aware MPI"
+        return
+    import torch
+
+    import hpcdp
+    saved, profiles = rt.transport, {"direct": [], "staged": []}
+    try:
+        for nbytes in costmodel.DEVICE_SIZES:
+            x = torch.ones(nbytes // 4, dtype=torch.float32, device=rt.device)
+
+            def call():
+                hpcdp.allreduce(x, op="avg")
+                torch.cuda.synchronize()  # the data back on the device
+            for how, points in profiles.items():
+                rt.transport = how
+                points.append([nbytes, world.allreduce(_median(world, call, reps, _inner(nbytes)),
+                                                       op=MPI.MAX)])
+    finally:
+        rt.transport = saved
+    out["device_direct"], out["device_staged"] = profiles["direct"], profiles["staged"]
+    faster = [n for (n, d), (_, s) in zip(profiles["direct"], profiles["staged"]) if s < d]
+    notes["device_staged"] = (f"staging faster at {', '.join(map(str, faster))} bytes" if faster
+                              else "direct faster at every size")
+
+
 def measure(rt, reps: int = 11) -> tuple:
     """``(Calibration, measured field names, notes)``, the same on every rank."""
     world, local, MPI = rt.comm.Dup(), rt.local.Dup(), rt.MPI
@@ -283,6 +321,7 @@ def measure(rt, reps: int = 11) -> tuple:
         out["alpha_sync"] = world.allreduce(_flag_round(local, MPI, reps), op=MPI.MAX)
         _inter(world, MPI, rt.hostnames, reps, out, notes)
         _call(world, MPI, reps, out, notes, len(rt.nodes) == 1)
+        _device(rt, world, MPI, reps, out, notes)
     finally:
         local.Free()
         world.Free()

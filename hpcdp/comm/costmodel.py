@@ -37,7 +37,12 @@ NATIVE_ALPHA_INTRA = 2e-6
 #: (16 and 32 KiB: the ring's chunks of a 64 KiB buffer at np = 4 and 2; an exchange's time is
 #: not linear between 4 and 64 KiB, here 5.9 us at 4 KiB, 9.2 at 8, 10.9 at 32, 14.9 at 64)
 PROFILE_SIZES = (8, 4 << 10, 16 << 10, 32 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
-PROFILES = ("p2p", "copy", "add", "native_add", "shared_copy", "shared_add", "shared_write")
+#: the float32 CUDA tensor sizes (bytes) whose allreduce hpcdp-bench calibrate times with
+#: device memory passed to a CUDA-aware MPI and with it staged through host memory
+DEVICE_SIZES = (4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20)
+DEVICE_PROFILES = ("device_direct", "device_staged")
+PROFILES = ("p2p", "copy", "add", "native_add", "shared_copy", "shared_add",
+            "shared_write") + DEVICE_PROFILES
 ALGOS = ("ring", "shm", "two_level", "native_rd", "native_rsag", "native")
 HPCDP_ALGOS = ("ring", "shm", "two_level")
 #: two_level's stages across nodes (hpcdp.comm.twolevel)
@@ -88,6 +93,11 @@ class Calibration:
     shared_copy: tuple = ()
     shared_add: tuple = ()
     shared_write: tuple = ()
+    # hpcdp.allreduce of a float32 CUDA tensor by size, its memory passed to the CUDA-aware
+    # MPI (the ring) and staged through pinned host memory; empty (no GPU, MPI not
+    # CUDA-aware, or not calibrated): device memory goes to a CUDA-aware MPI at every size
+    device_direct: tuple = ()
+    device_staged: tuple = ()
     source: str = "defaults"  # "defaults", or the file it was read from and when it was measured
 
     def to_dict(self) -> dict:
@@ -124,6 +134,14 @@ class Calibration:
         """Seconds of one rank's copy of ``n`` bytes into its window part after another rank
         read it (see :func:`_shared`)."""
         return _shared(self.shared_write, n, self.t_copy(n))
+
+    def device_transport(self, n: float) -> str:
+        """How an allreduce of ``n`` bytes of device memory is faster where MPI is
+        CUDA-aware: ``"direct"`` (device memory to MPI) or ``"staged"`` (through pinned host
+        memory), off the two device profiles; ``"direct"`` where they were not measured."""
+        if not (self.device_direct and self.device_staged):
+            return "direct"
+        return "staged" if _read(self.device_staged, n) < _read(self.device_direct, n) else "direct"
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":

@@ -64,11 +64,15 @@ def _ompi_info(path: str) -> bool | None:
     return None
 
 
+#: how_decided where HPCDP_CUDA_AWARE=1: device memory then goes to MPI at every size
+FORCED = "forced by HPCDP_CUDA_AWARE=1"
+
+
 def detect_cuda_aware(vendor: str) -> tuple[bool, str]:
     """Return ``(cuda_aware, how_decided)`` for the MPI loaded in this process."""
     setting = os.environ.get("HPCDP_CUDA_AWARE", "auto").strip().lower()
     if setting in ("1", "true", "yes"):
-        return True, "forced by HPCDP_CUDA_AWARE=1"
+        return True, FORCED
     if setting in ("0", "false", "no"):
         return False, "forced by HPCDP_CUDA_AWARE=0"
     if setting != "auto":

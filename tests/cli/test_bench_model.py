@@ -142,12 +142,40 @@ def test_calibrate_measures_positive_constants_alike_on_every_rank(world, tmp_pa
                 "shared_write"} <= set(rec["measured"])
     for f in set(costmodel.PROFILES) & set(rec["measured"]):
         sizes = [n for n in costmodel.PROFILE_SIZES if n <= 4 << 20 or not f.startswith("shared")]
+        if f in costmodel.DEVICE_PROFILES:
+            sizes = list(costmodel.DEVICE_SIZES)
         assert [n for n, _ in rec[f]] == sizes and all(t > 0 for _, t in rec[f])
+    from hpcdp._runtime import runtime
+    rt = runtime()
+    if not (rt.cuda and rt.cuda_aware):  # (a GPU and a CUDA-aware MPI time both transports)
+        assert set(costmodel.DEVICE_PROFILES) <= set(rec["defaults"])
+        assert ("no CUDA device" if not rt.cuda else "not CUDA-aware") in rec["notes"]["device_direct"]
     if rec["nodes"] == 1:
         assert {"alpha_inter", "beta_inter"} <= set(rec["defaults"])
     saved = costmodel.load(out)
     assert all(getattr(saved, f) == rec[f] for f in CONSTANTS) and out in saved.source
     assert all(getattr(saved, f) == tuple(map(tuple, rec[f])) for f in costmodel.PROFILES)
+
+
+@pytest.mark.mpi
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_calibrate_times_both_device_transports_on_a_gpu(world, rt):
+    """With a GPU and a CUDA-aware MPI, hpcdp-bench calibrate times a device allreduce
+    passed to MPI and staged at every device size, the same numbers on every rank, and
+    leaves the runtime's transport as it found it."""
+    from devices import cuda_or_skip
+    from hpcdp.cli import bench_calibrate
+    cuda_or_skip()
+    if not rt.cuda_aware:
+        pytest.skip(f"this MPI is not CUDA-aware ({rt.cuda_aware_how}): device buffers always stage")
+    out, notes, before = {}, {}, rt.transport
+    bench_calibrate._device(rt, world, rt.MPI, 1, out, notes)
+    assert rt.transport == before
+    for f in costmodel.DEVICE_PROFILES:
+        assert [n for n, _ in out[f]] == list(costmodel.DEVICE_SIZES) and all(t > 0 for _, t in out[f])
+    assert world.allgather(out) == [out] * world.Get_size()
+    assert "faster" in notes["device_staged"]
 
 
 @pytest.mark.mpi

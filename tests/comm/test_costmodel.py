@@ -423,3 +423,20 @@ def test_a_malformed_profile_names_the_field(value):
     d["p2p"] = value
     with pytest.raises(ValueError, match="field 'p2p' must be a list of \\[bytes, seconds\\] pairs"):
         Calibration.from_dict(d)
+
+
+def test_device_transport_is_the_faster_measured_one_and_direct_unmeasured(tmp_path):
+    """Where MPI is CUDA-aware, a device allreduce stages where staging was measured faster
+    (an MPI whose device path copies in small pieces) and goes direct elsewhere, and where
+    nothing was measured; the two profiles survive the file."""
+    assert DEFAULTS.device_transport(64 << 20) == "direct"
+    staged_small = dataclasses.replace(
+        DEFAULTS, device_direct=((4096, 1e-3), (1 << 20, 2e-3), (64 << 20, 10e-3)),
+        device_staged=((4096, 1e-4), (1 << 20, 1e-3), (64 << 20, 50e-3)))
+    # the two lines cross at 1 MiB + 1e-3 / 41e-3 * 63 MiB (about 2.5 MiB)
+    assert [staged_small.device_transport(n) for n in (1, 4096, 1 << 20, 2 << 20, 3 << 20, 1 << 30)] \
+        == ["staged"] * 4 + ["direct"] * 2
+    only_one = dataclasses.replace(DEFAULTS, device_staged=staged_small.device_staged)
+    assert only_one.device_transport(4096) == "direct"
+    path = costmodel.save(staged_small, tmp_path / "cal.json")
+    assert costmodel.load(path).device_staged == staged_small.device_staged

@@ -26,8 +26,11 @@ _DETECTED = {}
 
 @pytest.fixture(params=[True, False], ids=["cuda-aware", "staged"])
 def transport(request, rt, monkeypatch):
+    """True: device memory passed to MPI at every size (as with HPCDP_CUDA_AWARE=1, whatever
+    a calibration file measured); False: staged, as where MPI is not CUDA-aware."""
     _DETECTED.setdefault("verdict", (rt.cuda_aware, rt.cuda_aware_how))
     monkeypatch.setattr(rt, "cuda_aware", request.param)
+    monkeypatch.setattr(rt, "transport", "direct" if request.param else "auto")
     return request.param
 
 
@@ -69,6 +72,7 @@ def test_staged_device_buffers_take_the_host_algorithm(world, rt, monkeypatch, a
     host = np.random.default_rng(rank).standard_normal(3001).astype(np.float32)
     expected = hpcdp.allreduce(host.copy(), op="avg", algo=algo)
     seen.clear()
+    monkeypatch.setattr(rt, "transport", "direct")  # (where MPI is CUDA-aware)
     for aware in (False, True):
         monkeypatch.setattr(rt, "cuda_aware", aware)
         FakeOps.staged_in = FakeOps.staged_out = 0
@@ -81,6 +85,33 @@ def test_staged_device_buffers_take_the_host_algorithm(world, rt, monkeypatch, a
         if not aware or algo == "ring":
             assert dev.get().tobytes() == expected.tobytes()
     assert seen == (["ndarray"] if algo == "shm" else [])
+
+
+def test_calibrated_transport_stages_where_staging_was_measured_faster(world, rt, monkeypatch):
+    """Where MPI is CUDA-aware, a device buffer takes the transport that rank 0's calibration
+    measured faster at its size (staged below the crossover, direct above it, with each
+    transport's bits); HPCDP_CUDA_AWARE=1 (transport "direct") passes every size to MPI."""
+    import dataclasses
+    cal = dataclasses.replace(rt.calibration,  # (the lines cross near 2.5 MiB)
+                              device_direct=((4096, 1e-3), (1 << 20, 2e-3), (64 << 20, 10e-3)),
+                              device_staged=((4096, 1e-4), (1 << 20, 1e-3), (64 << 20, 50e-3)))
+    monkeypatch.setattr(rt, "calibration", cal)
+    monkeypatch.setattr(rt, "_auto", {})
+    monkeypatch.setattr(rt, "cuda_aware", True)
+    rank = world.Get_rank()
+    for forced in ("auto", "direct"):
+        monkeypatch.setattr(rt, "transport", forced)
+        for n in (1001, 1 << 20):  # 4 KB, 4 MiB
+            host = np.random.default_rng(rank + n).standard_normal(n).astype(np.float32)
+            direct = forced == "direct" or n == 1 << 20
+            expected = simulate(world.allgather(host.copy()))[rank] if direct else \
+                hpcdp.allreduce(host.copy())
+            FakeOps.staged_in = FakeOps.staged_out = 0
+            dev = FakeGPUArray(host)
+            hpcdp.allreduce(dev)
+            assert (FakeOps.staged_in, FakeOps.staged_out) == ((0, 0) if direct else (1, 1)), (forced, n)
+            assert dev.get().tobytes() == expected.tobytes()
+            assert rt.direct(4 * n) is direct
 
 
 @pytest.mark.parametrize("compression", [None, "fp16", "onebit", "powersgd"])
