@@ -65,7 +65,7 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         mean, var, count = _global_statistics(input, name, rt.size)
         unbiased = var * (count / max(count - 1, 1))
         # one copy to the input's device: mean, variance, unbiased variance
-        on_device = torch.stack([mean, var, unbiased]).to(input.device, _compute_dtype(input))
+        on_device = _upload(torch.stack([mean, var, unbiased]), input.device, _compute_dtype(input))
         if self.track_running_stats:
             self._track(on_device[0], on_device[2])
         return _Normalize.apply(input, self.weight, self.bias, on_device[0], on_device[1], mean, var,
@@ -145,6 +145,16 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _upload(host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``host`` (a few values per channel) as ``dtype`` on ``device``. To a GPU the copy is
+    queued from pinned memory and the stream is not synchronised: only the copies down,
+    which MPI must read, wait for the device."""
+    host = host.to(dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @torch.no_grad()
 def _global_statistics(x: torch.Tensor, name: str, size: int):
     """Steps 1-2 of the module docstring: the global batch's mean and biased variance per
@@ -177,8 +187,12 @@ class _Normalize(torch.autograd.Function):
        (the bias's and weight's gradients).
     2. One allreduce (sum, float64, host memory) of the two makes them the global batch's.
     3. ``dx = w * invstd * (dy - sum(dy)/N - x_hat * sum(dy * x_hat)/N)``, written as
-       ``a * dy + b * x + c`` per channel (``a``, ``b``, ``c`` in float64 on the host, then
-       one copy to the input's device): two passes.
+       ``a * dy + b * x + c`` per channel with ``a = w * invstd``, ``b = a * beta``,
+       ``c = a * gamma``: ``invstd``, ``beta`` and ``gamma`` in float64 on the host, one
+       copy up, the weight never leaving the device: two passes.
+
+    Per step and layer a GPU input costs two stream synchronisations, the copies down of
+    the forward's statistics and of the backward's sums.
     """
 
     @staticmethod
@@ -200,7 +214,7 @@ class _Normalize(torch.autograd.Function):
         if dy.numel():  # (CUDA's kernel wants a weight and the saved statistics too)
             w = weight if weight is not None else torch.ones_like(mean_d)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-                dy, xc, w, mean_d, var_d, mean_d, invstd.to(xc.device, xc.dtype), False, ctx.eps,
+                dy, xc, w, mean_d, var_d, mean_d, torch.rsqrt(var_d + ctx.eps), False, ctx.eps,
                 [False, True, True])
         else:  # no sample on this rank (the kernel divides by the count)
             sum_dy_xhat = sum_dy = torch.zeros_like(mean_d)
@@ -210,11 +224,12 @@ class _Normalize(torch.autograd.Function):
             if ctx.size > 1:
                 allreduce(sums, op="sum", name=f"{ctx.name} gradient sums")
             mean_dy, mean_dy_xhat = (sums / ctx.count).chunk(2)
-            a = invstd if weight is None else invstd * weight.detach().to("cpu", torch.float64)
-            b = -a * invstd * mean_dy_xhat
-            c = -a * mean_dy - b * mean
+            beta = -invstd * mean_dy_xhat
+            gamma = -mean_dy - beta * mean
             shape = [1, -1] + [1] * (dy.dim() - 2)
-            a, b, c = (t.view(shape) for t in torch.stack([a, b, c]).to(xc.device, xc.dtype).unbind())
+            k = _upload(torch.stack([invstd, beta, gamma]), xc.device, xc.dtype)
+            a = k[0] if weight is None else k[0] * weight.detach().to(xc.dtype)
+            a, b, c = (t.view(shape) for t in (a, a * k[1], a * k[2]))
             grad_x = torch.addcmul(c, xc, b).addcmul_(dy, a).to(ctx.in_dtype)
         if weight is not None:
             grad_w = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None

@@ -86,7 +86,9 @@ def test_a_rank_that_never_reaches_the_backward_ends_the_job_with_the_call_named
     """The backward's allreduce is hpcdp's, so the stall watchdog names it and the rank
     that did not come, and ends the job (no silent hang)."""
     from launch import run_mpi
-    p = run_mpi(2, ["-c", STALLED_BACKWARD], timeout=50, env={"HPCDP_STALL_TIMEOUT": "2"})
+    # (6 s: the forward's statistics allreduce, the job's first collective, must not stall
+    # first on a loaded machine, where one rank can start it seconds after the other)
+    p = run_mpi(2, ["-c", STALLED_BACKWARD], timeout=50, env={"HPCDP_STALL_TIMEOUT": "6"})
     out = p.stdout + p.stderr
     assert p.returncode != 0, out
     assert re.search(r"rank 0/2: no progress for \d+\.\d s in allreduce\(SyncBatchNorm\(3\) gradient sums\)",
