@@ -53,7 +53,8 @@ class ArrayOps:
 
     def follow(self) -> None:
         """Queue this thread's next device work on the buffers after the work that produced
-        them (on the device: no wait here)."""
+        them (on the device: no wait here). Each collective calls it once, before its first
+        device work (copies down included)."""
 
     # device kinds only: copies to and from host staging memory
     def to_host(self, src, dst: np.ndarray) -> None:
@@ -150,7 +151,6 @@ class TorchCudaOps(ArrayOps):
             current.wait_stream(self._producer)
 
     def to_host(self, src, dst):
-        self.follow()  # (else the copy can read what the producer has not written yet)
         self._host_tensor(dst).copy_(src, non_blocking=True)
         self.ready()
 

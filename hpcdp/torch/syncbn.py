@@ -210,7 +210,6 @@ class _Normalize(torch.autograd.Function):
     def backward(ctx, grad_out):
         xc, weight, mean_d, var_d, mean, var = ctx.saved_tensors
         dy = grad_out.to(xc.dtype).contiguous()
-        invstd = torch.rsqrt(var + ctx.eps)  # host, float64
         if dy.numel():  # (CUDA's kernel wants a weight and the saved statistics too)
             w = weight if weight is not None else torch.ones_like(mean_d)
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
@@ -224,6 +223,7 @@ class _Normalize(torch.autograd.Function):
             if ctx.size > 1:
                 allreduce(sums, op="sum", name=f"{ctx.name} gradient sums")
             mean_dy, mean_dy_xhat = (sums / ctx.count).chunk(2)
+            invstd = torch.rsqrt(var + ctx.eps)  # host, float64
             beta = -invstd * mean_dy_xhat
             gamma = -mean_dy - beta * mean
             shape = [1, -1] + [1] * (dy.dim() - 2)
