@@ -13,7 +13,7 @@ from .collectives import (allreduce, allreduce_async, barrier, broadcast, broadc
                           synchronize)
 from .comm.engine import Handle
 from .errors import (CheckpointError, CommError, Error, LaunchError, MismatchError,
-                     ModelMismatchError, NotInitializedError, ReplicaMismatchError, TraceError,
+                     ModelChangedError, ModelMismatchError, NotInitializedError, ReplicaMismatchError, TraceError,
                      UnevenInputsError, UnusedParametersError)
 from .objects import allgather_object, broadcast_object, gather_object, scatter_object
 
@@ -27,7 +27,7 @@ __all__ = [
     "broadcast_object", "gather_object", "scatter_object", "allgather_object",
     "Handle", "Error", "CommError", "MismatchError", "NotInitializedError", "LaunchError",
     "CheckpointError",
-    "ModelMismatchError", "UnusedParametersError", "UnevenInputsError", "ReplicaMismatchError",
+    "ModelMismatchError", "ModelChangedError", "UnusedParametersError", "UnevenInputsError", "ReplicaMismatchError",
     "TraceError", *_TORCH_NAMES,
 ]
 

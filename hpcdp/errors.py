@@ -8,7 +8,7 @@ raised on every rank alike and name the rank, the tensor and what was expected.
 from __future__ import annotations
 
 __all__ = ["Error", "NotInitializedError", "LaunchError", "CommError", "MismatchError", "CheckpointError",
-           "ModelMismatchError", "UnusedParametersError", "UnevenInputsError", "ReplicaMismatchError",
+           "ModelMismatchError", "ModelChangedError", "UnusedParametersError", "UnevenInputsError", "ReplicaMismatchError",
            "TraceError"]
 
 
@@ -39,6 +39,11 @@ class CheckpointError(Error, RuntimeError):
 
 class ModelMismatchError(MismatchError):
     """Ranks built different models (parameter names, shapes or dtypes differ)."""
+
+
+class ModelChangedError(Error, RuntimeError):
+    """The model gained parameters after it was wrapped (a module attached or replaced):
+    their gradients would not be averaged."""
 
 
 class UnusedParametersError(Error, RuntimeError):

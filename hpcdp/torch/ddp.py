@@ -17,7 +17,9 @@ import contextlib
 import torch
 
 from .._runtime import init, is_initialized, model_collectives, runtime
+from ..errors import ModelChangedError
 from .functions import broadcast_tensors, check_same_across_ranks, tensor_signature
+from .growth import GrowthWatch
 from .join import Join
 from .reducer import Reducer
 from .syncbn import warn_torch_sync_batchnorm
@@ -108,6 +110,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._find_ties()
         self.reducer.on_retarget = self._find_ties  # the trainable set changed: new indices
         self.reducer.in_model = lambda: {id(p) for p in module.parameters()}
+        self._growth = GrowthWatch(module, {id(p) for _, p in named + frozen})
         self.reducer.sync_buffers = self._broadcast_buffers
         self.reducer.attach_tracer(open_step_tracer(rt, trace, _OWNER, named, compression, {
             "bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
@@ -119,6 +122,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         # a forward without autograd (evaluation under no_grad) is not part of a training step
+        if self._growth.marked and torch.is_grad_enabled():
+            self._refuse_added()
         tracer = self.reducer.tracer if torch.is_grad_enabled() else None
         if tracer is not None:
             t0 = tracer.forward_begin()
@@ -132,6 +137,19 @@ class DistributedDataParallel(torch.nn.Module):
         if tracer is not None:
             tracer.forward_end(t0, out)
         return out
+
+    def _refuse_added(self) -> None:
+        """Raise :class:`ModelChangedError` if the model gained parameters since it was
+        wrapped (see :mod:`hpcdp.torch.growth`); a registration that added none passes."""
+        added = self._growth.added()
+        if not added:
+            return
+        shown = ", ".join(repr(n) for n in added[:10]) + (f" and {len(added) - 10} more"
+                                                          if len(added) > 10 else "")
+        raise ModelChangedError(
+            f"rank {runtime(_OWNER).rank}: {_OWNER}: the model has parameters it did not have when "
+            f"it was wrapped: {shown}. Their gradients would not be averaged, and the replicas "
+            "would drift apart. Attach, replace or load modules first, then wrap the model.")
 
     def _broadcast_buffers(self, root: int) -> None:
         if self.broadcast_buffers and self._synced_buffers and self._size > 1:

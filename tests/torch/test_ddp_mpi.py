@@ -206,13 +206,86 @@ def test_unused_on_one_rank_only_is_reported_on_every_rank(world):
     assert "rank 0: (none)" in msg
 
 
+class _Adapted(torch.nn.Module):
+    """A layer whose forward adds an adapter once one is attached (LoRA's pattern)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(10, 4).double()
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y + self.adapter(x) if hasattr(self, "adapter") else y
+
+
+def _assert_nothing_in_flight(world):
+    t = torch.ones(2, dtype=torch.float64)
+    hpcdp.allreduce(t, op="sum")
+    assert torch.equal(t, torch.full((2,), float(world.Get_size()), dtype=torch.float64))
+
+
 @pytest.mark.parametrize("find_unused", [False, True], ids=["strict", "find-unused"])
-def test_a_module_replaced_after_wrapping_is_named_on_every_rank(world, find_unused):
-    """The new head's gradients would stay local (with find_unused_parameters=True the
-    replicas drifted apart silently); the error names the parameters the model lost."""
+def test_a_module_attached_after_wrapping_is_refused_before_its_forward(world, find_unused):
+    """Before the fix the adapter trained on local gradients and the replicas drifted apart
+    without a word; now the next training forward raises on every rank, naming it."""
+    model = _Adapted()
+    ddp = hpcdp.DistributedDataParallel(model, find_unused_parameters=find_unused)
+    x, y = _batches(1)[0]
+    _local_loss(ddp(x), y, 1, B).backward()
+    model.adapter = torch.nn.Linear(10, 4).double()
+    with torch.no_grad():  # evaluation is not a training step: nothing to refuse
+        ddp(x)
+    with pytest.raises(hpcdp.ModelChangedError) as err:
+        ddp(x)
+    msg = str(err.value)
+    assert f"rank {world.Get_rank()}: " in msg, msg
+    assert "parameters it did not have when it was wrapped: 'adapter.weight', 'adapter.bias'" in msg, msg
+    assert "then wrap the model" in msg, msg
+    _assert_nothing_in_flight(world)
+
+
+def test_a_module_replaced_after_wrapping_is_refused_before_its_forward(world):
+    model = _mlp()
+    ddp = hpcdp.DistributedDataParallel(model)
+    model[4] = torch.nn.Linear(16, 4).double()
+    x, y = _batches(1)[0]
+    with pytest.raises(hpcdp.ModelChangedError, match="when it was wrapped: '4.weight', '4.bias'"):
+        ddp(x)
+    _assert_nothing_in_flight(world)
+
+
+def test_registrations_that_add_no_parameter_train_on(world):
+    """A new activation, and a parametrization (it keeps the weight's tensor as
+    ``original``): the same parameters, so training goes on, replicas identical."""
+    from torch.nn.utils import parametrize
+
+    class Symmetric(torch.nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).T
+
+    model = _mlp(widths=(10, 16, 16, 4))
+    ddp = hpcdp.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    model[1] = torch.nn.ReLU()
+    parametrize.register_parametrization(model[2], "weight", Symmetric())
+    for x, y in _batches(2):
+        opt.zero_grad()
+        lo, hi = _share(B, world.Get_size(), world.Get_rank())
+        _local_loss(ddp(x[lo:hi]), y[lo:hi], world.Get_size(), B).backward()
+        opt.step()
+    _gather_equal(world, hpcdp.check_replicas(model))
+    assert ddp.comm_stats["iterations"] == 2
+
+
+@pytest.mark.parametrize("find_unused", [False, True], ids=["strict", "find-unused"])
+def test_a_module_replaced_behind_torchs_back_is_named_on_every_rank(world, find_unused):
+    """Written into ``_modules`` directly, the replacement escapes the registration hooks:
+    the end of backward still names the parameters the model lost (with
+    find_unused_parameters=True the replicas drifted apart silently before)."""
     model = _mlp()
     ddp = hpcdp.DistributedDataParallel(model, find_unused_parameters=find_unused)
-    model[4] = torch.nn.Linear(16, 4).double()
+    model._modules["4"] = torch.nn.Linear(16, 4).double()
     x, y = _batches(1)[0]
     with pytest.raises(UnusedParametersError) as err:
         _local_loss(ddp(x), y, 1, B).backward()
@@ -220,9 +293,7 @@ def test_a_module_replaced_after_wrapping_is_named_on_every_rank(world, find_unu
     assert f"rank {world.Get_rank()}:" in msg and "parameters '4.weight', '4.bias' received no gradient: " \
         "the model no longer has them" in msg, msg
     assert "before wrapping it" in msg
-    t = torch.ones(2, dtype=torch.float64)  # nothing left in flight
-    hpcdp.allreduce(t, op="sum")
-    assert torch.equal(t, torch.full((2,), float(world.Get_size()), dtype=torch.float64))
+    _assert_nothing_in_flight(world)
 
 
 def test_find_unused_parameters_matches_single_process(world):
