@@ -34,9 +34,10 @@ _OWNER = "hpcdp.DistributedOptimizer"
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class."""
 
-    def _hpcdp_setup(self, named_parameters, frozen, backward_passes_per_step, bucket_cap_mb,
+    def _hpcdp_setup(self, named_parameters, frozen, names, backward_passes_per_step, bucket_cap_mb,
                      first_bucket_mb, overlap, compression, trace):
         rt = runtime(_OWNER)
+        self._hpcdp_names = names  # id(p): name, for param groups added later (None: unnamed)
         self._hpcdp_passes = 0
         self._hpcdp_passes_per_step = backward_passes_per_step
         self._hpcdp_skip_sync = False
@@ -51,6 +52,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                   "backward_passes_per_step": backward_passes_per_step}
         self._hpcdp_reducer.attach_tracer(
             open_step_tracer(rt, trace, _OWNER, named_parameters, compression, config))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a param group (progressive unfreezing): its parameters' gradients are
+        averaged from the first backward pass that gives them one, on every rank alike
+        (every rank must add the same group at the same step)."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        names = self._hpcdp_names
+        unnamed = [str(id(p)) for p in params if names is not None and id(p) not in names]
+        if unnamed:
+            raise ValueError(f"{_OWNER}: add_param_group: one or more parameters were not in the "
+                             "named_parameters the optimizer was made with. Python object ids: "
+                             f"{', '.join(unnamed)}")
+        before = sum(len(g["params"]) for g in self.param_groups)
+        # torch refuses a parameter that is in a group already
+        super().add_param_group({**param_group, "params": params})
+        self._hpcdp_reducer.watch([(names[id(p)] if names is not None else f"allreduce.noname.{before + k}", p)
+                                   for k, p in enumerate(params)])
 
     def close_trace(self) -> None:
         """Write what the trace holds and close this rank's file (not collective;
@@ -152,6 +171,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     if not is_initialized():
         init()
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    names = None
     if named_parameters is None:
         named = [(f"allreduce.noname.{i}", p) for i, p in enumerate(params)]
     else:
@@ -169,6 +189,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         if unnamed:
             raise ValueError("named_parameters was specified, but one or more model parameters were "
                              f"not named. Python object ids: {', '.join(map(str, unnamed))}")
+        names = {id(p): n for n, p in named}
         wanted = {id(p) for p in params}
         named = [(n, p) for n, p in named if id(p) in wanted]
     frozen = [(n, p) for n, p in named if not p.requires_grad]
@@ -176,6 +197,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     dist = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)
-    dist._hpcdp_setup(named, frozen, backward_passes_per_step, bucket_cap_mb, first_bucket_mb,
+    dist._hpcdp_setup(named, frozen, names, backward_passes_per_step, bucket_cap_mb, first_bucket_mb,
                       overlap, compression, trace)
     return dist

@@ -145,6 +145,20 @@ def _check_optimizer(opt, args, kwargs) -> None:
                 "(see docs/compression.md)", RuntimeWarning, stacklevel=3)
 
 
+def _check_param(owner: str, name: str, p: torch.Tensor) -> None:
+    """Refuse a parameter whose gradient the buckets cannot average."""
+    if not p.dtype.is_floating_point:
+        raise TypeError(f"{owner}: parameter {name!r} has dtype {p.dtype}; only floating "
+                        "point parameters can have averaged gradients")
+    if p.layout != torch.strided:
+        raise TypeError(f"{owner}: parameter {name!r} has layout {p.layout}; only dense "
+                        "(strided) parameters are supported")
+    owner_of = getattr(p, "_hpcdp_reducer_owner", None)
+    if owner_of is not None:
+        raise ValueError(f"{owner}: parameter {name!r} already has its gradients averaged by "
+                         f"{owner_of}; wrap the model or the optimizer, not both")
+
+
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
 
@@ -177,16 +191,8 @@ class Reducer:
             raise ValueError(f"{owner}: bucket_cap_mb and first_bucket_mb must be > 0, got "
                              f"{bucket_cap_mb} and {first_bucket_mb}")
         for name, p in named_params:
-            if not p.dtype.is_floating_point:
-                raise TypeError(f"{owner}: parameter {name!r} has dtype {p.dtype}; only floating "
-                                "point parameters can have averaged gradients")
-            if p.layout != torch.strided:
-                raise TypeError(f"{owner}: parameter {name!r} has layout {p.layout}; only dense "
-                                "(strided) parameters are supported")
-            owner_of = getattr(p, "_hpcdp_reducer_owner", None)
-            if owner_of is not None:
-                raise ValueError(f"{owner}: parameter {name!r} already has its gradients averaged by "
-                                 f"{owner_of}; wrap the model or the optimizer, not both")
+            _check_param(owner, name, p)
+        self.compression = compression
         self.compressor = _compressor(compression, named_params, owner)
         if algo is not None and algo != "auto" and algo not in ALGOS:
             raise ValueError(f"{owner}: algo must be one of auto, {', '.join(ALGOS)}, or None for "
@@ -686,6 +692,12 @@ class Reducer:
         flags = "".join("1" if p.requires_grad else "0" for _, p in self._watched)
         with model_collectives():
             everyone = allgather_object((shadow, flags))
+        counts = [len(f) for _, f in everyone]
+        if len(set(counts)) > 1:
+            raise ModelMismatchError(
+                f"rank {self.rt.rank}: {self.owner}: the ranks have different numbers of "
+                f"parameters: {', '.join(f'rank {r}: {c}' for r, c in enumerate(counts))}. Every "
+                "rank must add the same parameter groups to the optimizer at the same step.")
         training = [r for r, (s, _) in enumerate(everyone) if not s]
         ours = [everyone[r][1] for r in training]
         differ = [k for k in range(len(flags)) if len({f[k] for f in ours}) > 1]
@@ -703,6 +715,19 @@ class Reducer:
             f"ranks: {self._watched[k][0]!r}{more} requires grad on ranks {rank_ranges(on)} but not "
             f"on ranks {rank_ranges(off)}. Every rank must freeze and unfreeze the same parameters "
             "before the same backward pass.")
+
+    def watch(self, named) -> None:
+        """Watch parameters the owner gained after the reducer was made (an optimizer's new
+        param group) as frozen ones are: the first synchronised pass in which one requires
+        grad averages its gradient and lays the buckets out again, on every rank alike."""
+        known = {id(p) for _, p in self._watched}
+        new = [(n, p) for n, p in named if id(p) not in known]
+        for name, p in new:
+            _check_param(self.owner, name, p)
+            if self.compression is not None:
+                resolve(self.compression, name, str(p.dtype), str(p.device), self.owner)
+        self._watched += new
+        self.frozen += [p for _, p in new]
 
     def _retarget(self, contribute: bool) -> None:
         """Collective, after a step in which the trainable set changed alike on every rank

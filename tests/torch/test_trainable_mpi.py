@@ -241,3 +241,68 @@ def test_a_rank_that_shadows_inside_join_takes_the_training_ranks_flags(world):
     assert ("0.weight" in names) == (size > 1), names
     laid_out = sorted(n for bucket in ddp.bucket_layout() for n in bucket)
     assert laid_out == names, laid_out
+
+
+def _unfreeze_with_a_new_group(model, opt, step):
+    """The fine-tuning recipe of ``add_param_group``'s docs: the first layer frozen and
+    outside the optimizer until step 2, then trainable in a param group of its own."""
+    if step == 2:
+        for p in model[0].parameters():
+            p.requires_grad_(True)
+        opt.add_param_group({"params": model[0].parameters(), "lr": 0.05})
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
+def test_distributed_optimizer_averages_a_param_group_added_later(world, named):
+    """Before the fix the added layer was stepped with local gradients: the replicas drifted
+    apart without a word."""
+    ref, model = _mlp(), _mlp()
+    for m in (ref, model):
+        for p in m[0].parameters():
+            p.requires_grad_(False)
+    head = [p for m in (model[2], model[4]) for p in m.parameters()]
+    opt = hpcdp.DistributedOptimizer(torch.optim.SGD(head, lr=0.1, momentum=0.9),
+                                     named_parameters=model.named_parameters() if named else None,
+                                     bucket_cap_mb=0.003, first_bucket_mb=0.0005)
+    ref_opt = torch.optim.SGD([p for m in (ref[2], ref[4]) for p in m.parameters()], lr=0.1,
+                              momentum=0.9)
+    for step, (x, y) in enumerate(_batches()):
+        _unfreeze_with_a_new_group(model, opt, step)
+        _unfreeze_with_a_new_group(ref, ref_opt, step)
+        opt.zero_grad()
+        _local_backward(model, x, y, world)
+        opt.step()
+        _reference_step(ref, ref_opt, x, y)
+        _assert_close(model, ref, step)
+    _gather_equal(world, hpcdp.check_replicas(model))
+
+
+def test_a_param_group_added_on_some_ranks_only_fails_on_every_rank(world):
+    rank, size = world.Get_rank(), world.Get_size()
+    if size == 1:
+        pytest.skip("needs two ranks")
+    model = _mlp()
+    opt = hpcdp.DistributedOptimizer(torch.optim.SGD(model[4].parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    if rank == 0:
+        opt.add_param_group({"params": model[0].parameters()})
+    x, y = _batches()[0]
+    with pytest.raises(ModelMismatchError) as err:
+        _local_backward(model, x, y, world)
+        opt.step()
+    msg = str(err.value)
+    others = ", ".join(f"rank {r}: 2" for r in range(1, size))
+    assert f"rank {rank}: " in msg and f"different numbers of parameters: rank 0: 4, {others}" in msg, msg
+    t = torch.ones(2, dtype=torch.float64)  # nothing is left in flight
+    hpcdp.allreduce(t, op="sum")
+    assert torch.equal(t, torch.full((2,), float(size), dtype=torch.float64))
+
+
+def test_a_param_group_of_unnamed_parameters_is_refused(world):
+    model = _mlp()
+    opt = hpcdp.DistributedOptimizer(torch.optim.SGD(model[4].parameters(), lr=0.1),
+                                     named_parameters=model[4].named_parameters())
+    with pytest.raises(ValueError, match="add_param_group: one or more parameters were not in the "
+                                         "named_parameters"):
+        opt.add_param_group({"params": model[0].parameters()})
+    assert len(opt.param_groups) == 1
