@@ -156,7 +156,9 @@ def _check_param(owner: str, name: str, p: torch.Tensor) -> None:
     owner_of = getattr(p, "_hpcdp_reducer_owner", None)
     if owner_of is not None:
         raise ValueError(f"{owner}: parameter {name!r} already has its gradients averaged by "
-                         f"{owner_of}; wrap the model or the optimizer, not both")
+                         f"{owner_of}; wrap the model or the optimizer, not both, and wrap it "
+                         "once: the hooks stay with its parameters for the rest of the job, also "
+                         "when the wrapper is dropped")
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

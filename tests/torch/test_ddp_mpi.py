@@ -667,7 +667,7 @@ def test_distributed_optimizer_misuse_errors(world):
     opt.step()
     opt.zero_grad()
     with pytest.raises(ValueError, match="already has its gradients averaged by "
-                                         "hpcdp.DistributedOptimizer"):
+                                         "hpcdp.DistributedOptimizer; .* wrap it once"):
         hpcdp.DistributedDataParallel(model)
 
 
