@@ -2,13 +2,15 @@
 ranks), even and uneven, 2 to 5 ranks: sums against a float64 reference, the same bits on
 every rank, blocking and async, ``algo="auto"``, each stage across nodes (the ring, recursive
 doubling, halving-doubling), the bytes each rank sends across nodes, fp16, bf16,
-1-bit and PowerSGD composed with it, and a mismatch
+1-bit and PowerSGD composed with it, DDP trained over it (two layouts), and a mismatch
 between ranks that pick different algorithms (the job asserts on every rank)."""
 import pytest
 
 from launch import run_mpi
 
 JOB = "tests/comm/twolevel_job.py"
+# where the job also trains DDP over two_level (1-bit, PowerSGD): an even and an uneven layout
+DDP_LAYOUTS = {("2,2", None, None), ("1,2,1", None, None)}
 
 
 @pytest.mark.timeout(180)
@@ -23,7 +25,8 @@ def test_two_level_on_pretend_nodes(nodes, segment, across):
     nodes, the ring for the larger ones.)"""
     np_ = sum(int(c) for c in nodes.split(","))
     env = {"HPCDP_FAKE_NODES": nodes} | ({"HPCDP_SHM_BYTES": str(segment)} if segment else {}) \
-        | ({"HPCDP_ACROSS": across} if across else {})
+        | ({"HPCDP_ACROSS": across} if across else {}) \
+        | ({"TWOLEVEL_DDP": "1"} if (nodes, segment, across) in DDP_LAYOUTS else {})
     p = run_mpi(np_, [JOB], timeout=150, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"OK nodes=[{nodes.replace(',', ', ')}]" in p.stdout, p.stdout + p.stderr
