@@ -22,6 +22,7 @@ from .functions import broadcast_tensors, check_same_across_ranks, tensor_signat
 from .growth import GrowthWatch
 from .join import Join
 from .reducer import Reducer
+from .sparse import SparseGrads, find as sparse_weights
 from .syncbn import warn_torch_sync_batchnorm
 from .tied import TiedEmbeddings
 from .tracing import open_step_tracer
@@ -101,11 +102,17 @@ class DistributedDataParallel(torch.nn.Module):
         broadcast_tensors(self._replicated, root=0)
         self._synced_buffers = [b for _, b in buffers]
         self._size = rt.size
-        self.reducer = Reducer(named, _OWNER, bucket_cap_mb=bucket_cap_mb,
+        sparse = sparse_weights(module)  # outside the buckets, see hpcdp.torch.sparse
+        apart = {id(p) for _, p in sparse}
+        self.reducer = Reducer([(n, p) for n, p in named if id(p) not in apart], _OWNER,
+                               bucket_cap_mb=bucket_cap_mb,
                                first_bucket_mb=first_bucket_mb, overlap=overlap,
                                find_unused=find_unused_parameters, as_view=gradient_as_bucket_view,
                                should_sync=lambda: self._require_sync, wait_at_end=True,
-                               compression=compression, algo=algo, frozen=frozen)
+                               compression=compression, algo=algo,
+                               frozen=[(n, p) for n, p in frozen if id(p) not in apart],
+                               rows_outside=bool(sparse))
+        self.reducer.sparse = SparseGrads(sparse, self.reducer)
         self._split_tied = split_tied_embeddings
         self._find_ties()
         self.reducer.on_retarget = self._find_ties  # the trainable set changed: new indices

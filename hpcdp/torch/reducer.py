@@ -41,6 +41,10 @@ A tied embedding split by the owner's forward (:mod:`hpcdp.torch.tied`, set as
 ``tied`` for the iteration) reports its weight through :meth:`Reducer.grad_ready`;
 at the end of backward its rows are exchanged after the buckets and added to
 ``.grad`` after their averages (without synchronisation: added locally).
+
+Sparse embedding weights (the owner's ``sparse``, :mod:`hpcdp.torch.sparse`) are in no
+bucket: their rows are exchanged after the tied rows. When nothing else trains, the
+control tail is a bucket of its own.
 """
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ from .._runtime import model_collectives, runtime
 from ..collectives import ALGOS, allreduce, allreduce_async, broadcast
 from ..comm import hugepages
 from ..compress import NoCompression, get_compressor, resolve
-from .buckets import plan_buckets
+from .buckets import BucketSpec, plan_buckets
 from .guard import DivergenceGuard
 from ..comm.engine import rank_ranges
 from ..errors import ModelMismatchError, UnusedParametersError
@@ -80,8 +84,8 @@ class _Bucket:
         self.views = ()
         self.tail = None
         if not direct:
-            p0 = params[self.members[0]]
-            self.flat = torch.empty(spec.numel + tail_len, dtype=p0.dtype, device=p0.device)
+            dtype, device = spec.key
+            self.flat = torch.empty(spec.numel + tail_len, dtype=dtype, device=device)
             if self.flat.device.type == "cpu":  # on huge pages from its first touch
                 hugepages.advise(self.flat.data_ptr(), self.flat.numel() * self.flat.element_size())
             self.flat.zero_()
@@ -182,12 +186,14 @@ class Reducer:
 
     def __init__(self, named_params, owner: str, *, bucket_cap_mb: float, first_bucket_mb: float,
                  overlap: bool, find_unused: bool, as_view: bool, should_sync, wait_at_end: bool,
-                 compression=None, algo=None, frozen=()):
+                 compression=None, algo=None, frozen=(), rows_outside: bool = False):
         self.rt = runtime(owner)
         self.owner = owner
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
-        if not self.params:
+        # gradients outside the buckets (sparse embeddings): a model may train nothing else
+        self.rows_outside = rows_outside
+        if not self.params and not rows_outside:
             raise ValueError(f"{owner}: the model has no parameters that require grad")
         if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
             raise ValueError(f"{owner}: bucket_cap_mb and first_bucket_mb must be > 0, got "
@@ -215,6 +221,7 @@ class Reducer:
                       "exposed_wait_ns": 0}
         self.tracer = None
         self.tied = None  # a TiedEmbeddings the owner's forward splits (hpcdp.torch.tied)
+        self.sparse = None  # the owner's SparseGrads: weights outside the buckets (hpcdp.torch.sparse)
         self.guard = DivergenceGuard(owner, self.rt.rank)
         # every parameter the owner has, in a fixed order: requires_grad is compared across
         # ranks over this list; ``frozen``: those outside the layout now
@@ -246,6 +253,12 @@ class Reducer:
         if self.momentum is not None:
             raise ValueError(f"{self.owner}: the model is already driven by {self.momentum!r}; "
                              "make one compressed-momentum optimizer per model")
+        if self.sparse:
+            raise ValueError(
+                f"{self.owner}: {type(momentum).__name__} steps the parameters in the buckets, and "
+                f"the sparse embedding weights {', '.join(map(repr, self.sparse.names))} are not in "
+                "them: make those embeddings dense (sparse=False), or step them with torch.optim.SGD "
+                "or SparseAdam without compressed momentum")
         self.rt.codec_states.clear(self.state_prefix)
         self.momentum = momentum
 
@@ -262,6 +275,8 @@ class Reducer:
         specs = plan_buckets(order, [p.numel() for p in params], [p.element_size() for p in params],
                              [(p.dtype, p.device) for p in params], self.first_cap_bytes,
                              self.cap_bytes)
+        if not specs:  # only sparse embeddings train: the control tail travels alone
+            specs = [BucketSpec(0, (torch.float32, torch.device("cpu")), (), (), 0)]
         last = len(specs) - 1
         self.buckets = [
             _Bucket(s, params, self._tail_len if s.index == last else 0,
@@ -292,8 +307,7 @@ class Reducer:
             tracer.close()
 
     def _trace_layout(self) -> None:
-        self.tracer.layout([b.spec.numel * self.params[b.members[0]].element_size() for b in self.buckets],
-                           self.layout())
+        self.tracer.layout([b.spec.numel * b.spec.key[0].itemsize for b in self.buckets], self.layout())
 
     def layout(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""
@@ -407,13 +421,23 @@ class Reducer:
         reached ``.grad`` some other way (a split tied embedding, :mod:`hpcdp.torch.tied`)."""
         self._on_grad(i, self.params[i])
 
+    def outside_grad_ready(self) -> None:
+        """A gradient outside the buckets (a sparse embedding's) is final: start the
+        iteration if it is the pass's first."""
+        if not self._active:
+            self._begin()
+
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         if not self._active:
             self._begin()
         g = p.grad
         if g.layout != torch.strided:
-            raise TypeError(f"{self.owner}: parameter {self.names[i]!r} got a {g.layout} gradient; "
-                            "sparse gradients are not supported (use a dense embedding)")
+            raise TypeError(
+                f"{self.owner}: parameter {self.names[i]!r} got a {g.layout} gradient, and its "
+                "gradients are averaged in the buckets, which are dense. Sparse gradients are "
+                "averaged by hpcdp.DistributedDataParallel for the weights of nn.Embedding and "
+                "nn.EmbeddingBag modules that had sparse=True when the model was wrapped (and "
+                "that no other module uses)")
         b = self.bucket_of[i]
         if not self._sync:
             # accumulating locally (no_sync): keep the sum in the bucket view
@@ -489,7 +513,7 @@ class Reducer:
                 self._fill_tail(b.tail)
         index = b.spec.index
         name = f"bucket{index}"
-        comp = self._codec()
+        comp = self._codec() if b.spec.numel else None  # (a control tail alone goes exact)
         if self.momentum is not None and comp is not None:
             with torch.no_grad():
                 self.momentum.encode(b.members, (t,) if b.direct else b.views)
@@ -537,10 +561,17 @@ class Reducer:
                 self.tied.accumulate()
             return
         self.flush()
-        if self.tied is not None:
-            self.tied.launch(self.stats)
+        self._launch_rows(contribute=True)
         if self.wait_at_end:
             self.finish()
+
+    def _launch_rows(self, contribute: bool) -> None:
+        """After the buckets, in this order on every rank: a split tied embedding's rows,
+        then the sparse weights' (none from a rank that shadows the step)."""
+        if self.tied is not None:
+            self.tied.launch(self.stats)
+        if self.sparse:
+            self.sparse.launch(self.stats, contribute)
 
     def flush(self) -> None:
         """Fill in parameters that got no gradient and launch every remaining bucket."""
@@ -600,8 +631,7 @@ class Reducer:
                     b.flat.zero_()
                 b.pending = 0
         self._launch_in_order()
-        if self.tied is not None:
-            self.tied.launch(self.stats)
+        self._launch_rows(contribute=False)
         self.finish()
 
     def finish(self) -> None:
@@ -615,12 +645,16 @@ class Reducer:
                     b.tail_handle.wait()
             if self.tied is not None:
                 self.tied.wait()
+            if self.sparse:
+                self.sparse.wait()
             if self.sync_buffers is not None:
                 self.sync_buffers(self.layout_root)
         except Exception:
             self._reset()
             if self.tied is not None:
                 self.tied.discard()
+            if self.sparse:
+                self.sparse.discard()
             raise
         t1 = perf_counter_ns()
         self._account(launched, t0, t1)
@@ -652,6 +686,8 @@ class Reducer:
                         p.grad.copy_(view)
         if self.tied is not None:
             self.tied.apply()
+        if self.sparse:
+            self.sparse.apply()
         if self.momentum is not None:
             self.momentum.exchanged()
         if changed:
@@ -743,7 +779,7 @@ class Reducer:
                 f"{type(self.momentum).__name__} keeps its momentum per bucket of a fixed set of "
                 "parameters: set requires_grad before building it and keep it while it drives the "
                 "model")
-        if not trainable:
+        if not trainable and not self.rows_outside:
             raise ValueError(f"rank {self.rt.rank}: {self.owner}: no parameter requires grad any more")
         known = {id(p) for p in self.params}
         self._average([(n, p) for n, p in trainable if id(p) not in known], contribute)

@@ -1,0 +1,130 @@
+"""Sparse gradients: ``nn.Embedding(sparse=True)`` and ``nn.EmbeddingBag(sparse=True)``
+under :class:`~hpcdp.DistributedDataParallel`.
+
+A sparse embedding's gradient holds only the rows the batch looked up; averaged as a dense
+tensor it would cost the whole table on the wire every step. :class:`SparseGrads` keeps
+these weights out of the buckets. Per synchronised backward pass:
+
+1. A hook on each weight starts the reducer's iteration if its gradient is the pass's
+   first (the reducer's hooks start it otherwise).
+2. After the buckets (and a split tied embedding's rows), :meth:`SparseGrads.launch`
+   exchanges every rank's rows of every weight in one ``MPI_Iallgatherv``: ``.grad``
+   coalesced (with what ``no_sync`` passes accumulated; a dense ``.grad`` sends its nonzero
+   rows). A rank without a gradient for the weight, or one that shadows the step inside
+   ``join()``, sends none.
+3. :meth:`SparseGrads.apply` sets ``.grad`` to the average, a coalesced sparse tensor:
+   every rank adds the same rows in the same order (rank, then row), so the bits agree. A
+   weight that no rank has a gradient for keeps ``.grad = None``.
+
+Rows travel uncompressed (``compression`` applies to the buckets). A weight that other
+modules use too (a tied output layer) is not sparse here: it stays in the buckets, split by
+:mod:`hpcdp.torch.tied`.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..objects import allgather_gen
+from .reducer import _check_param
+
+__all__ = ["SparseGrads", "find"]
+
+_SPARSE_MODULES = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+def find(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, weight)`` of every weight whose gradient is sparse: the weight of an
+    ``nn.Embedding`` or ``nn.EmbeddingBag`` made with ``sparse=True`` that no other module
+    uses, named as ``module.named_parameters()`` names it."""
+    names: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    first = {id(p): n for n, p in module.named_parameters()}
+    sparse: dict[int, set] = {}
+    for path, m in module.named_modules(remove_duplicate=False):
+        if isinstance(m, _SPARSE_MODULES) and m.sparse:
+            sparse.setdefault(id(m.weight), set()).add(f"{path}.weight" if path else "weight")
+    return [(first[id(p)], p) for p in module.parameters()
+            if id(p) in sparse and set(names[id(p)]) <= sparse[id(p)]]
+
+
+class SparseGrads:
+    """The sparse weights of a model and their exchange (see the module docstring)."""
+
+    def __init__(self, named, reducer):
+        self.names = [n for n, _ in named]
+        self.weights = [p for _, p in named]
+        self.reducer = reducer
+        self.handle = None
+        self.gathered = None
+        for name, p in named:
+            _check_param(reducer.owner, name, p)
+            p._hpcdp_reducer_owner = reducer.owner
+            if p.requires_grad:  # (torch refuses a hook on a frozen tensor)
+                p.register_post_accumulate_grad_hook(lambda p: reducer.outside_grad_ready())
+
+    def __bool__(self) -> bool:
+        return bool(self.weights)
+
+    @staticmethod
+    def _take(p):
+        """``p``'s gradient as host arrays (row ids, rows at float32 at least: numpy has no
+        bf16), or None without one."""
+        g = p.grad
+        if g is None:
+            return None
+        g = g.coalesce() if g.is_sparse else g.to_sparse(1)
+        dtype = torch.promote_types(p.dtype, torch.float32)
+        return (g.indices()[0].to("cpu", torch.int64).numpy(),
+                g.values().detach().to("cpu", dtype).numpy())
+
+    def launch(self, stats: dict, contribute: bool = True) -> None:
+        """Start the exchange of every rank's rows (after the buckets, in the engine's order);
+        ``contribute=False``: send none (a rank that shadows the step)."""
+        rt = self.reducer.rt
+        mine = [self._take(p) if contribute else None for p in self.weights]
+        self.handle = rt.engine.submit(self._exchange(rt, mine, stats), "sparse gradient rows",
+                                       where={"phase": "sparse gradient rows (MPI_Iallgatherv)"})
+
+    def _exchange(self, rt, mine, stats):
+        everyone = yield from allgather_gen(rt.comm, rt.MPI, mine)
+
+        def nbytes(rows):
+            return sum(a.nbytes + b.nbytes for a, b in filter(None, rows))
+        own, total = nbytes(mine), sum(nbytes(theirs) for theirs in everyone)
+        stats["bytes_sent"] += total - own  # what a ring allgather moves per rank
+        stats["bytes_recv"] += total - own
+        self.gathered = everyone
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+
+    def discard(self) -> None:
+        """Forget an exchange not yet applied (an aborted backward or step)."""
+        self.handle = self.gathered = None
+
+    def apply(self) -> None:
+        """Set every weight's ``.grad`` to the average of the ranks' rows."""
+        if self.gathered is None:
+            return
+        everyone, size = self.gathered, len(self.gathered)
+        self.handle = self.gathered = None
+        for k, p in enumerate(self.weights):
+            parts = [theirs[k] for theirs in everyone if theirs[k] is not None]
+            if parts:
+                p.grad = _average(parts, size, p)
+
+
+def _average(parts, size: int, p: torch.Tensor) -> torch.Tensor:
+    """The sparse average of the ranks' ``(ids, rows)``: rows summed on the host in the
+    order given (the same bits on every rank), divided by ``size``, on ``p``'s device."""
+    ids = torch.from_numpy(np.concatenate([a for a, _ in parts]))
+    values = torch.from_numpy(np.concatenate([b for _, b in parts]))
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    summed = torch.zeros((len(unique), *p.shape[1:]), dtype=values.dtype)
+    summed.index_add_(0, inverse, values)
+    summed.div_(size)
+    return torch.sparse_coo_tensor(unique[None].to(p.device), summed.to(p.device, p.dtype), p.shape,
+                                   is_coalesced=True, check_invariants=False)
