@@ -25,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..objects import allgather_gen
 from .reducer import _check_param
+from .tied import gather_rows
 
 __all__ = ["SparseGrads", "find"]
 
@@ -82,19 +82,10 @@ class SparseGrads:
     def launch(self, stats: dict, contribute: bool = True) -> None:
         """Start the exchange of every rank's rows (after the buckets, in the engine's order);
         ``contribute=False``: send none (a rank that shadows the step)."""
-        rt = self.reducer.rt
         mine = [self._take(p) if contribute else None for p in self.weights]
-        self.handle = rt.engine.submit(self._exchange(rt, mine, stats), "sparse gradient rows",
-                                       where={"phase": "sparse gradient rows (MPI_Iallgatherv)"})
+        self.handle = gather_rows(self.reducer.rt, mine, stats, "sparse gradient rows", self._gathered)
 
-    def _exchange(self, rt, mine, stats):
-        everyone = yield from allgather_gen(rt.comm, rt.MPI, mine)
-
-        def nbytes(rows):
-            return sum(a.nbytes + b.nbytes for a, b in filter(None, rows))
-        own, total = nbytes(mine), sum(nbytes(theirs) for theirs in everyone)
-        stats["bytes_sent"] += total - own  # what a ring allgather moves per rank
-        stats["bytes_recv"] += total - own
+    def _gathered(self, everyone) -> None:
         self.gathered = everyone
 
     def wait(self) -> None:

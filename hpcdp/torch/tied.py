@@ -37,7 +37,7 @@ import torch
 
 from ..objects import allgather_gen
 
-__all__ = ["TiedEmbeddings", "find"]
+__all__ = ["TiedEmbeddings", "find", "gather_rows"]
 
 
 def find(module: torch.nn.Module) -> list[tuple[list[str], list[str]]]:
@@ -61,6 +61,23 @@ def find(module: torch.nn.Module) -> list[tuple[list[str], list[str]]]:
         if others and key not in refused:
             found.append((embedding_names, others))
     return found
+
+
+def gather_rows(rt, mine: list, stats: dict, what: str, done):
+    """Start, on the engine after what is queued, the exchange of every rank's ``mine`` (per
+    weight: host arrays ``(ids, rows)``, or None) in one ``MPI_Iallgatherv``; ``done`` gets
+    every rank's, in rank order. ``stats`` counts the bytes a ring allgather moves per rank.
+    Returns the engine's handle."""
+    def exchange():
+        everyone = yield from allgather_gen(rt.comm, rt.MPI, mine)
+
+        def nbytes(rows):
+            return sum(a.nbytes + b.nbytes for a, b in filter(None, rows))
+        moved = sum(nbytes(theirs) for theirs in everyone) - nbytes(mine)
+        stats["bytes_sent"] += moved
+        stats["bytes_recv"] += moved
+        done(everyone)
+    return rt.engine.submit(exchange(), what, where={"phase": f"{what} (MPI_Iallgatherv)"})
 
 
 class _Tie:
@@ -173,15 +190,9 @@ class TiedEmbeddings:
         """Start the exchange of every rank's rows (after the buckets, in the engine's order)."""
         rt = self.reducer.rt
         mine = [self._take(t) for t in self.ties]
-        self.handle = rt.engine.submit(self._exchange(rt, mine, stats), "tied embedding rows",
-                                       where={"phase": "tied embedding rows (MPI_Iallgatherv)"})
+        self.handle = gather_rows(rt, mine, stats, "tied embedding rows", self._gathered)
 
-    def _exchange(self, rt, mine, stats):
-        everyone = yield from allgather_gen(rt.comm, rt.MPI, mine)
-        own = sum(a.nbytes + b.nbytes for a, b in mine)
-        total = sum(a.nbytes + b.nbytes for theirs in everyone for a, b in theirs)
-        stats["bytes_sent"] += total - own  # what a ring allgather moves per rank
-        stats["bytes_recv"] += total - own
+    def _gathered(self, everyone) -> None:
         self.gathered = everyone
 
     def wait(self) -> None:
