@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -24,6 +25,7 @@ from ..comm.buffers import as_buffer
 from ..comm.dtypes import DTYPES
 from ..comm.engine import rank_ranges
 from ..comm.op import OpContext
+from ..objects import allgather_gen
 from . import ops
 from .work import after_all, completed, submit
 
@@ -84,7 +86,30 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
     # -- reductions ---------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         t = _one(tensors, "allreduce", self._rank)
+        if t.layout == torch.sparse_coo:
+            return self._sparse_allreduce(t, _op_name(opts), opts)
         return self._allreduce(t, _op_name(opts), "allreduce", tensors, opts)
+
+    def _sparse_allreduce(self, t, op: str, opts=None):
+        """A sparse COO tensor (torch DDP's gradient of a sparse embedding), gloo's way: every
+        rank's indices and values gathered, summed in rank order on every rank (the same bits
+        everywhere). The sum is a new tensor (its nonzeros are not ``t``'s): the Work's value."""
+        if op != "SUM":
+            raise NotImplementedError(f"rank {self._rank}: the hpcdp backend reduces sparse tensors "
+                                      f"with ReduceOp.SUM only (as gloo), got {op}")
+        c = t.detach().coalesce()
+        values = c.values().to(torch.promote_types(t.dtype, torch.float32))  # (numpy has no bf16)
+        mine = (c.indices().cpu().numpy(), values.cpu().numpy())
+        result, ctx = [t], self._ctx()
+
+        def gather():
+            everyone = yield from allgather_gen(self.comm, self.rt.MPI, mine)
+            indices = torch.from_numpy(np.concatenate([i for i, _ in everyone], axis=1))
+            summed = torch.sparse_coo_tensor(indices, torch.from_numpy(np.concatenate(
+                [v for _, v in everyone])), t.shape, check_invariants=False).coalesce()
+            result[0] = summed.to(t.device, t.dtype)
+        return submit(self, gather(), "allreduce", result, ctx.where, _blocking(opts),
+                      nbytes=mine[0].nbytes + mine[1].nbytes)
 
     def _allreduce(self, t, op: str, call: str, value, opts=None):
         ctx = self._ctx()

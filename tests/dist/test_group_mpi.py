@@ -86,6 +86,28 @@ def test_allreduce_bitwise_and_refusals(pg):
         dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_allreduce_of_a_sparse_tensor_is_the_works_value(pg, dtype):
+    """Rank r has rows {r, r + 1} of 6 (a 2-D row-sparse tensor, as torch DDP's sparse
+    embedding gradients): the sum is a new coalesced tensor, the Work's value and the
+    future's, the same bits on every rank; ops other than SUM are refused by name."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    rows = torch.tensor([[rank, rank + 1]])
+    x = torch.sparse_coo_tensor(rows, torch.full((2, 3), rank + 1.0), (size + 1, 3)).to(dtype)
+    work = dist.all_reduce(x, async_op=True)
+    got = work.get_future().wait()[0]
+    assert got is work.result()[0] and got.is_sparse and got.is_coalesced() and got.dtype == dtype
+    expected = torch.zeros(size + 1, 3, dtype=torch.float64)
+    for r in range(size):
+        expected[r:r + 2] += r + 1.0
+    assert torch.equal(got.to_dense().double(), expected)
+    everyone = [None] * size
+    dist.all_gather_object(everyone, got.to_dense().double().numpy().tobytes())
+    assert len(set(everyone)) == 1
+    with pytest.raises(NotImplementedError, match="sparse tensors with ReduceOp.SUM only"):
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+
+
 def test_async_work_and_future(pg):
     """Several allreduces in flight: Work.wait and the future both give the reduced tensors,
     in any order of waiting; a callback chained on a future sees the result."""

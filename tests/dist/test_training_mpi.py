@@ -48,6 +48,26 @@ def test_ddp_step_equals_one_process(pg):
     assert all(e == everyone[0] for e in everyone), f"rank {rank}: replicas differ"
 
 
+def test_ddp_with_a_sparse_embedding_equals_one_process(pg):
+    """torch DDP's sparse gradients (``nn.Embedding(sparse=True)``) over hpcdp: its allreduce
+    of a sparse tensor gathers every rank's rows. Before, it failed on the tensor's layout."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(50, 8, mode="sum", sparse=True), nn.Linear(8, 3)).double()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 50, (4 * size, 3), generator=g), torch.randint(0, 3, (4 * size,), generator=g))
+               for _ in range(3)]
+    _train(nn.parallel.DistributedDataParallel(model), batches, slice(rank * 4, (rank + 1) * 4))
+    _train(ref, batches)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=f"rank {rank}: {name}")
+    assert model[0].weight.grad.is_sparse
+    everyone = [None] * size
+    dist.all_gather_object(everyone, [p.detach().numpy().tobytes() for p in model.parameters()])
+    assert all(e == everyone[0] for e in everyone), f"rank {rank}: replicas differ"
+
+
 def test_fsdp2_equals_one_process(pg):
     """FSDP2 (fully_shard per Linear and at the root) over hpcdp: its all_gather_into_tensor
     (in place) and reduce_scatter_tensor with AVG give one process's training."""
