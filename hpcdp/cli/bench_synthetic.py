@@ -5,10 +5,12 @@ Run under the launcher, e.g.::
 
     mpirun -np 2 hpcdp-bench synthetic --model resnet50 --image-size 96 --batch-size 16
     mpirun -np 2 hpcdp-bench synthetic --model gpt2-mini --batch-size 4 --seq-len 128
+    mpirun -np 2 hpcdp-bench synthetic --model recsys --batch-size 256
 
 The method is Horovod's: every rank trains on one fixed random batch of
 ``--batch-size`` (images ``--image-size`` square, 1000 classes; or
-``--seq-len`` random tokens for the GPT-2 models) with SGD at ``lr = 0.01 x
+``--seq-len`` random tokens for the GPT-2 models, or random ids per table for the
+recommender, whose sparse tables exercise sparse gradients) with SGD at ``lr = 0.01 x
 ranks`` (``--momentum``, default 0 as there); ``--num-warmup-batches``
 untimed steps, then ``--num-iters`` iterations of ``--num-batches-per-iter``
 steps; an iteration's throughput is ``batch x batches / time``; the result is
@@ -71,6 +73,8 @@ from ._runners import (HPCDP_MODES, TORCH_DDP_MODES, Runner, bench_comms, close,
                        csv_list, cuda_refused, has_torch_hook, start_runtime)
 
 _MODES = ("hpcdp", "hpcdp-sync", "hpcdp-syncbn", "ddp", "ddp-hpcdp", "local")
+_UNITS = {"image": ("Img", "img/s"), "language": ("Tokens", "tokens/s"),
+          "recsys": ("Samples", "samples/s")}  # Horovod's word, the records' unit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,13 +133,13 @@ class _Bench:
 
         from .. import models
         self.args, self.rt, self.ctl = args, rt, comms["native"]
-        self.lm = models.is_language_model(args.model)
+        self.kind = models.kind(args.model)
         g = torch.Generator().manual_seed(42 + rt.rank)
         x, y = models.synthetic_batch(args.model, args.batch_size, image_size=args.image_size,
                                       seq_len=args.seq_len, generator=g)
         self.batch = (x.to(comms["device"]), y.to(comms["device"]))
-        self.per_batch = args.batch_size * (args.seq_len if self.lm else 1)
-        self.unit = "tokens/s" if self.lm else "img/s"
+        self.per_batch = args.batch_size * (args.seq_len if self.kind == "language" else 1)
+        self.unit = _UNITS[self.kind][1]
         # Horovod's optimizer: SGD at the learning rate x ranks (what every runner reads)
         self.optimizer = types.SimpleNamespace(optimizer="sgd", lr=args.lr * rt.size, momentum=args.momentum)
         self.build = functools.partial(models.build_model, args.model, seed=0)
@@ -183,7 +187,7 @@ def _horovod_lines(bench, r) -> list[str]:
     """Horovod's result lines for ``r`` (its per-iteration lines, mean +- 1.96 sigma)."""
     import numpy as np
     dev = "GPU" if bench.args.device == "cuda" else "CPU"
-    what = "Tokens" if bench.lm else "Img"
+    what = _UNITS[bench.kind][0]
     size = bench.rt.size
     mean, conf = float(np.mean(r.rates)), 1.96 * float(np.std(r.rates))
     lines = [f"Mode: {_label(r)}"]
@@ -214,7 +218,9 @@ def _record(bench, r, runners, after) -> dict:
            "num_batches_per_iter": a.num_batches_per_iter, "num_warmup_batches": a.num_warmup_batches,
            "device": a.device, "threads": a.threads, "mpi": bench.rt.vendor, "lr": bench.optimizer.lr,
            "momentum": a.momentum, "join": a.join}
-    rec["seq_len" if bench.lm else "image_size"] = a.seq_len if bench.lm else a.image_size
+    if bench.kind != "recsys":
+        rec["seq_len" if bench.kind == "language" else "image_size"] = \
+            a.seq_len if bench.kind == "language" else a.image_size
     if r.bucket_mb is not None:
         rec["bucket_cap_mb"] = r.bucket_mb
         rec["algo"] = bench.rt.algo

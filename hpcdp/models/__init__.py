@@ -1,4 +1,5 @@
-"""Benchmark models: ResNet-18/50/101 and GPT-2, with synthetic batches and their loss.
+"""Benchmark models: ResNet-18/50/101, GPT-2 and a recommender, with synthetic batches and
+their loss.
 
 These are hpcdp's own definitions, not torchvision's or Hugging Face's (the
 PyPI torchvision wheel does not load with the CPU build of torch). They
@@ -12,17 +13,20 @@ parameter counts (and name by name against torchvision where it imports).
 * ``gpt2-small``: the 124M GPT-2 (12 layers, 12 heads, width 768, 1024
   positions, 50257 tokens); ``gpt2-mini``: 4 layers, 4 heads, width 256 (the
   same vocabulary and positions), for small machines.
+* ``recsys``: 8 sparse ``EmbeddingBag`` tables of 100,000 x 64 and a 512-256-2 MLP
+  (:mod:`.recsys`); ``recsys-dense``: the same with dense tables; ``recsys-mini``: 4
+  tables of 10,000 x 16, for small machines.
 """
 from __future__ import annotations
 
 import torch
 
-from . import gpt2, resnet
+from . import gpt2, recsys, resnet
 
-__all__ = ["MODELS", "build_model", "is_language_model", "synthetic_batch", "loss"]
+__all__ = ["MODELS", "build_model", "kind", "is_language_model", "synthetic_batch", "loss"]
 
 _RESNETS = {"resnet18": resnet.resnet18, "resnet50": resnet.resnet50, "resnet101": resnet.resnet101}
-MODELS = (*_RESNETS, *gpt2.CONFIGS)
+MODELS = (*_RESNETS, *gpt2.CONFIGS, *recsys.CONFIGS)
 _NUM_CLASSES = 1000
 
 
@@ -31,18 +35,26 @@ def _check(name: str) -> None:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
-def is_language_model(name: str) -> bool:
-    """True for the GPT-2 models (token inputs, per-token targets), False for the ResNets."""
+def kind(name: str) -> str:
+    """``"image"`` (ResNets), ``"language"`` (GPT-2: token inputs, per-token targets) or
+    ``"recsys"`` (ids per table, a click target)."""
     _check(name)
-    return name in gpt2.CONFIGS
+    return "language" if name in gpt2.CONFIGS else "recsys" if name in recsys.CONFIGS else "image"
+
+
+def is_language_model(name: str) -> bool:
+    """True for the GPT-2 models (token inputs, per-token targets)."""
+    return kind(name) == "language"
 
 
 def build_model(name: str, seed: int = 0) -> torch.nn.Module:
     """The model called ``name`` (one of :data:`MODELS`), initialised from ``seed``."""
     _check(name)
     torch.manual_seed(seed)
-    if is_language_model(name):
+    if name in gpt2.CONFIGS:
         return gpt2.GPT2(gpt2.CONFIGS[name])
+    if name in recsys.CONFIGS:
+        return recsys.Recsys(recsys.CONFIGS[name])
     return _RESNETS[name](_NUM_CLASSES)
 
 
@@ -53,10 +65,16 @@ def synthetic_batch(name: str, batch: int, *, image_size: int = 224, seq_len: in
     ResNets: float32 standard-normal images ``(batch, 3, image_size, image_size)`` and
     int64 labels uniform over the 1000 classes. GPT-2: int64 tokens ``(batch, seq_len)``
     uniform over the vocabulary, and targets of the same shape (random next tokens).
+    Recommender: int64 ids ``(batch, tables, lookups)`` uniform over each table's rows, and
+    click labels (0 or 1).
     """
-    if not is_language_model(name):
+    if kind(name) == "image":
         x = torch.randn(batch, 3, image_size, image_size, generator=generator)
         return x, torch.randint(0, _NUM_CLASSES, (batch,), generator=generator)
+    if kind(name) == "recsys":
+        cfg = recsys.CONFIGS[name]
+        x = torch.randint(0, cfg.rows, (batch, cfg.tables, cfg.lookups), generator=generator)
+        return x, torch.randint(0, 2, (batch,), generator=generator)
     cfg = gpt2.CONFIGS[name]
     if seq_len > cfg.n_positions:
         raise ValueError(f"seq_len {seq_len} exceeds {name}'s n_positions={cfg.n_positions}")

@@ -111,6 +111,22 @@ def test_gpt2_compressions_pair_with_torchs_hooks():
     assert by[("hpcdp", "powersgd:2")] < 0.2 * fp32
 
 
+@pytest.mark.timeout(300)
+def test_recsys_sparse_tables_send_rows_not_tables():
+    """Samples/s; the sparse tables' rows (32 samples x 4 tables x 4 ids of 16 floats at
+    most) and the MLP's 4,290 gradients, not the tables' 640,000, on hpcdp's wire; torch
+    DDP over the "hpcdp" backend reduces the sparse gradients too."""
+    p = synthetic(2, "--model", "recsys-mini", "--batch-size", "32", *SMALL,
+                  "--modes", "hpcdp,ddp,ddp-hpcdp,local", env={"HPCDP_ALGO": "ring"})
+    blocks, recs = parse(p)
+    assert [r["mode"] for r in recs] == ["hpcdp", "ddp", "ddp-hpcdp", "local"]
+    for r in recs:
+        assert r["unit"] == "samples/s" and "image_size" not in r and "seq_len" not in r, r
+        check_horovod_block(blocks[r["mode"]], "Samples", "CPU", 2, 3, r["per_rank"])
+    rows = 32 * 4 * 4 * (16 * 4 + 8)  # float32 rows and int64 ids, before pickling
+    assert 4 * 4_290 < recs[0]["bytes_sent_per_step"] < 2 * (rows + 4 * 4_290), recs[0]
+
+
 @pytest.mark.timeout(120)
 def test_one_rank_and_horovods_fp16_flag_inside_join():
     p = synthetic(1, "--model", "resnet18", "--image-size", "32", "--batch-size", "2",

@@ -42,11 +42,30 @@ def _torchvision():
 
 
 def test_registry_names_and_unknown_name():
-    assert models.MODELS == ("resnet18", "resnet50", "resnet101", "gpt2-mini", "gpt2-small")
-    assert [models.is_language_model(n) for n in models.MODELS] == [False] * 3 + [True] * 2
+    assert models.MODELS == ("resnet18", "resnet50", "resnet101", "gpt2-mini", "gpt2-small",
+                             "recsys", "recsys-dense", "recsys-mini")
+    assert [models.kind(n) for n in models.MODELS] == ["image"] * 3 + ["language"] * 2 + ["recsys"] * 3
+    assert [models.is_language_model(n) for n in models.MODELS] == [False] * 3 + [True] * 2 + [False] * 3
     with pytest.raises(ValueError, match="unknown model 'vgg16'; choose from resnet18, resnet50, "
-                                         "resnet101, gpt2-mini, gpt2-small"):
+                                         "resnet101, gpt2-mini, gpt2-small, recsys"):
         models.build_model("vgg16")
+
+
+@pytest.mark.parametrize("name, count, sparse", [("recsys", 51_594_498, True),
+                                                 ("recsys-dense", 51_594_498, False),
+                                                 ("recsys-mini", 644_290, True)])
+def test_recsys_tables_carry_the_parameters_and_take_ids(built, name, count, sparse):
+    m = built(name)
+    cfg = m.cfg
+    assert _count(m) == count
+    assert [(t.sparse, t.mode, tuple(t.weight.shape)) for t in m.tables] == \
+        [(sparse, "sum", (cfg.rows, cfg.dim))] * cfg.tables
+    x, y = models.synthetic_batch(name, 5, generator=torch.Generator().manual_seed(0))
+    assert x.shape == (5, cfg.tables, cfg.lookups) and x.dtype == torch.int64 and int(x.max()) < cfg.rows
+    assert set(y.tolist()) <= {0, 1}
+    loss = models.loss(m(x), y)
+    loss.backward()
+    assert m.tables[0].weight.grad.is_sparse == sparse
 
 
 @pytest.mark.parametrize("name", PUBLISHED)

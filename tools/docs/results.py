@@ -88,6 +88,10 @@ _SYNTHETIC = ("(M='--modes hpcdp,ddp,ddp-hpcdp,local'; "
               "mpirun -np 2 hpcdp-bench synthetic --model gpt2-mini --batch-size 4 --seq-len 128 "
               "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10 $M) "
               "| grep '^{' > docs/results/synthetic.jsonl")
+_SYNTHETIC_RECSYS = ("(M='--modes hpcdp,ddp,ddp-hpcdp,local'; for m in recsys recsys-dense; do "
+                     "mpirun -np 2 hpcdp-bench synthetic --model $m --batch-size 256 "
+                     "--num-warmup-batches 3 --num-batches-per-iter 5 --num-iters 10 $M; done) "
+                     "| grep '^{' > docs/results/synthetic-recsys.jsonl")
 _SYNTHETIC_JOIN = ("(M='--modes hpcdp,ddp,ddp-hpcdp,local'; for J in '' --join; do "
                    "mpirun -np 2 hpcdp-bench synthetic --model resnet50 --image-size 64 --batch-size 32 "
                    "--num-warmup-batches 3 --num-batches-per-iter 2 --num-iters 10 $M $J; "
@@ -265,6 +269,12 @@ SPECS = {
     "synthetic": {
         "file": "synthetic.jsonl",
         "command": _SYNTHETIC,
+        "where": {"bench": "synthetic"},
+        "columns": _SYNTHETIC_COLUMNS,
+    },
+    "synthetic-recsys": {
+        "file": "synthetic-recsys.jsonl",
+        "command": _SYNTHETIC_RECSYS,
         "where": {"bench": "synthetic"},
         "columns": _SYNTHETIC_COLUMNS,
     },
