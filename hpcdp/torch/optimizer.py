@@ -35,7 +35,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class."""
 
     def _hpcdp_setup(self, named_parameters, frozen, names, backward_passes_per_step, bucket_cap_mb,
-                     first_bucket_mb, overlap, compression, trace):
+                     first_bucket_mb, overlap, compression, trace, sparse_as_dense):
         rt = runtime(_OWNER)
         self._hpcdp_names = names  # id(p): name, for param groups added later (None: unnamed)
         self._hpcdp_passes = 0
@@ -47,7 +47,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                       first_bucket_mb=first_bucket_mb, overlap=overlap,
                                       find_unused=True, as_view=False,
                                       should_sync=self._hpcdp_count_pass, wait_at_end=False,
-                                      compression=compression, frozen=frozen)
+                                      compression=compression, frozen=frozen,
+                                      sparse_as_dense=sparse_as_dense)
         config = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
                   "backward_passes_per_step": backward_passes_per_step}
         self._hpcdp_reducer.attach_tracer(
@@ -149,7 +150,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None, compression=None,
                          backward_passes_per_step: int = 1, bucket_cap_mb: float = 25,
-                         first_bucket_mb: float = 1, overlap: bool = True, trace=None):
+                         first_bucket_mb: float = 1, overlap: bool = True, trace=None,
+                         sparse_as_dense: bool = False):
     """Return a distributed version of ``optimizer`` (an instance of a subclass of its class).
 
     The result shares ``param_groups`` and ``state`` with ``optimizer``: use the
@@ -159,7 +161,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     the average (``step()`` after fewer averages what is there).
     ``compression`` and ``trace``: as for :class:`~hpcdp.DistributedDataParallel`
     (steps run from the first gradient to the end of ``step()``; there is no
-    forward to see). :meth:`close_trace` closes the trace file.
+    forward to see). :meth:`close_trace` closes the trace file. ``sparse_as_dense``
+    (Horovod's): a sparse gradient (``nn.Embedding(sparse=True)``) is made dense and averaged
+    in the buckets, and ``.grad`` stays dense (without it, a sparse gradient is an error;
+    :class:`~hpcdp.DistributedDataParallel` averages sparse embeddings' rows as sparse).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{_OWNER} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -198,5 +203,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     dist = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)
     dist._hpcdp_setup(named, frozen, names, backward_passes_per_step, bucket_cap_mb, first_bucket_mb,
-                      overlap, compression, trace)
+                      overlap, compression, trace, sparse_as_dense)
     return dist

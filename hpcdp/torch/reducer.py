@@ -186,13 +186,15 @@ class Reducer:
 
     def __init__(self, named_params, owner: str, *, bucket_cap_mb: float, first_bucket_mb: float,
                  overlap: bool, find_unused: bool, as_view: bool, should_sync, wait_at_end: bool,
-                 compression=None, algo=None, frozen=(), rows_outside: bool = False):
+                 compression=None, algo=None, frozen=(), rows_outside: bool = False,
+                 sparse_as_dense: bool = False):
         self.rt = runtime(owner)
         self.owner = owner
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         # gradients outside the buckets (sparse embeddings): a model may train nothing else
         self.rows_outside = rows_outside
+        self.sparse_as_dense = sparse_as_dense  # a sparse gradient in a bucket: made dense (Horovod's)
         if not self.params and not rows_outside:
             raise ValueError(f"{owner}: the model has no parameters that require grad")
         if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
@@ -432,12 +434,15 @@ class Reducer:
             self._begin()
         g = p.grad
         if g.layout != torch.strided:
-            raise TypeError(
-                f"{self.owner}: parameter {self.names[i]!r} got a {g.layout} gradient, and its "
-                "gradients are averaged in the buckets, which are dense. Sparse gradients are "
-                "averaged by hpcdp.DistributedDataParallel for the weights of nn.Embedding and "
-                "nn.EmbeddingBag modules that had sparse=True when the model was wrapped (and "
-                "that no other module uses)")
+            if not self.sparse_as_dense:
+                raise TypeError(
+                    f"{self.owner}: parameter {self.names[i]!r} got a {g.layout} gradient, and its "
+                    "gradients are averaged in the buckets, which are dense. Sparse gradients are "
+                    "averaged by hpcdp.DistributedDataParallel for the weights of nn.Embedding and "
+                    "nn.EmbeddingBag modules that had sparse=True when the model was wrapped (and "
+                    "that no other module uses); hpcdp.DistributedOptimizer(..., "
+                    "sparse_as_dense=True) averages them as dense tensors")
+            p.grad = g = g.to_dense()
         b = self.bucket_of[i]
         if not self._sync:
             # accumulating locally (no_sync): keep the sum in the bucket view

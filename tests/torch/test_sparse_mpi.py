@@ -234,3 +234,28 @@ def test_a_table_made_sparse_after_wrapping_is_named(world):
     t = torch.ones(2, dtype=torch.float64)  # the head's bucket, launched before, is not in the way
     hpcdp.allreduce(t, op="sum")
     assert torch.equal(t, torch.full((2,), float(world.Get_size()), dtype=torch.float64))
+
+
+def test_distributed_optimizer_averages_sparse_gradients_as_dense_when_asked(world):
+    """Horovod's ``sparse_as_dense=True``: the tables' gradients become dense in the buckets,
+    and training equals one process; without it, the first backward names the way."""
+    ref, model = _Ranker(), _Ranker()
+    opt = hpcdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters(), sparse_as_dense=True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step, (inputs, y) in enumerate(_ranker_batches()):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        local, ly, scale = _local(world, inputs, y)
+        _ranker_loss(model(*local), ly, scale).backward()
+        opt.step()
+        assert model.ids.weight.grad.layout == torch.strided
+        _ranker_loss(ref(*inputs), y, 1.0 / B).backward()
+        ref_opt.step()
+        _assert_close(model, ref, step)
+    _gather_equal(world, hpcdp.check_replicas(model))
+    other = _Ranker()
+    hpcdp.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1),
+                               named_parameters=other.named_parameters())
+    with pytest.raises(TypeError, match="sparse_as_dense=True\\) averages them as dense tensors"):
+        _ranker_loss(other(*local), ly, scale).backward()
