@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import glob
 import os
 import socket
 import sys
@@ -453,7 +454,16 @@ def _thread_setup():
     return setup
 
 
+# device nodes of a GPU torch could use: NVIDIA's driver, ROCm's, WSL2's
+_GPU_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+
+
 def _import_torch():
+    """torch where it is imported already or a GPU may be there to pin, else None: on a
+    machine without GPU device nodes a numpy-only job does not pay torch's import (seconds
+    per rank, more on a parallel file system)."""
+    if "torch" not in sys.modules and not any(glob.glob(g) for g in _GPU_NODES):
+        return None
     try:
         import torch
     except ImportError:

@@ -104,3 +104,20 @@ def test_import_hpcdp_loads_neither_torch_nor_mpi():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:2] == ["[]", "True"]
+
+
+def test_init_imports_torch_only_where_a_gpu_may_be_pinned():
+    """``hpcdp.init()`` pins this rank's GPU through torch; on a machine without GPU device
+    nodes a numpy-only job does not import torch (seconds per rank). torch imported before
+    is used as it is."""
+    from hpcdp._runtime import _GPU_NODES
+    import glob
+    gpu_nodes = any(glob.glob(g) for g in _GPU_NODES)
+    for first, expected in (("", gpu_nodes), ("import torch; ", True)):
+        code = (f"import sys; {first}import hpcdp; hpcdp.init(); "
+                "print('torch' in sys.modules, hpcdp.info()['device'])")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        imported, device = out.stdout.split()
+        assert imported == str(expected), (first, out.stdout)
+        assert device == "cpu" or gpu_nodes, out.stdout
