@@ -32,6 +32,21 @@ __all__ = ["DistributedDataParallel"]
 _OWNER = "hpcdp.DistributedDataParallel"
 
 
+def _refuse_max_norm(module: torch.nn.Module, rank: int) -> None:
+    """An embedding with ``max_norm`` renormalises, during every forward, the rows that this
+    rank's batch looks up: each rank writes other rows, and the replicas drift apart."""
+    found = [(n or "(the model)", m.max_norm) for n, m in module.named_modules()
+             if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None]
+    if found:
+        names = ", ".join(f"{n!r} (max_norm={v:g})" for n, v in found)
+        raise ValueError(
+            f"rank {rank}: {_OWNER}: {names}: an embedding with max_norm renormalises, in every "
+            "forward, the rows this rank's batch looks up, so each rank would change other rows "
+            "and the replicas would drift apart. Make it max_norm=None, and where the bound "
+            "matters renormalise every row after each optimizer step, the same on every rank: "
+            "with torch.no_grad(): emb.weight.renorm_(2, 0, max_norm)")
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Data-parallel wrapper: averaged gradients, identical replicas.
 
@@ -86,6 +101,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._require_sync = True
         warn_torch_sync_batchnorm(module, _OWNER, rt.rank)
+        _refuse_max_norm(module, rt.rank)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
         buffers = list(module.named_buffers())

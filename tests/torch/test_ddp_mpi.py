@@ -255,6 +255,20 @@ def test_a_module_replaced_after_wrapping_is_refused_before_its_forward(world):
     _assert_nothing_in_flight(world)
 
 
+def test_an_embedding_with_max_norm_is_refused_naming_it(world):
+    """Before, each rank renormalised the rows of its own batch in forward and the replicas
+    drifted apart from the first step (torch DDP does so too)."""
+    model = torch.nn.ModuleDict({"ok": torch.nn.Embedding(8, 2),
+                                 "bounded": torch.nn.EmbeddingBag(8, 2, max_norm=1.0)})
+    with pytest.raises(ValueError) as err:
+        hpcdp.DistributedDataParallel(model)
+    msg = str(err.value)
+    assert msg.startswith(f"rank {world.Get_rank()}: hpcdp.DistributedDataParallel: 'bounded' "
+                          "(max_norm=1): an embedding with max_norm renormalises"), msg
+    assert "emb.weight.renorm_(2, 0, max_norm)" in msg and "'ok'" not in msg, msg
+    _assert_nothing_in_flight(world)
+
+
 def test_registrations_that_add_no_parameter_train_on(world):
     """A new activation, and a parametrization (it keeps the weight's tensor as
     ``original``): the same parameters, so training goes on, replicas identical."""
