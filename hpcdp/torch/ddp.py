@@ -145,8 +145,10 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         # a forward without autograd (evaluation under no_grad) is not part of a training step
-        if self._growth.marked and torch.is_grad_enabled():
-            self._refuse_added()
+        if torch.is_grad_enabled():
+            if self._growth.marked:
+                self._refuse_added()
+            self.reducer.sparse.hook()
         tracer = self.reducer.tracer if torch.is_grad_enabled() else None
         if tracer is not None:
             t0 = tracer.forward_begin()

@@ -6,7 +6,8 @@ tensor it would cost the whole table on the wire every step. :class:`SparseGrads
 these weights out of the buckets. Per synchronised backward pass:
 
 1. A hook on each weight starts the reducer's iteration if its gradient is the pass's
-   first (the reducer's hooks start it otherwise).
+   first (the reducer's hooks start it otherwise; a table frozen when the model was
+   wrapped gets its hook at the first training forward after it is unfrozen).
 2. After the buckets (and a split tied embedding's rows), :meth:`SparseGrads.launch`
    exchanges every rank's rows of every weight in one ``MPI_Iallgatherv``: ``.grad``
    coalesced (with what ``no_sync`` passes accumulated; a dense ``.grad`` sends its nonzero
@@ -58,14 +59,23 @@ class SparseGrads:
         self.reducer = reducer
         self.handle = None
         self.gathered = None
+        self._hooked = [False] * len(self.weights)
         for name, p in named:
             _check_param(reducer.owner, name, p)
             p._hpcdp_reducer_owner = reducer.owner
-            if p.requires_grad:  # (torch refuses a hook on a frozen tensor)
-                p.register_post_accumulate_grad_hook(lambda p: reducer.outside_grad_ready())
+        self.hook()
 
     def __bool__(self) -> bool:
         return bool(self.weights)
+
+    def hook(self) -> None:
+        """Hook every weight that requires grad now (torch refuses a hook on a frozen tensor:
+        a table unfrozen later gets its hook at the next training forward)."""
+        reducer = self.reducer
+        for k, p in enumerate(self.weights):
+            if p.requires_grad and not self._hooked[k]:
+                p.register_post_accumulate_grad_hook(lambda p: reducer.outside_grad_ready())
+                self._hooked[k] = True
 
     @staticmethod
     def _take(p):

@@ -259,3 +259,26 @@ def test_distributed_optimizer_averages_sparse_gradients_as_dense_when_asked(wor
                                named_parameters=other.named_parameters())
     with pytest.raises(TypeError, match="sparse_as_dense=True\\) averages them as dense tensors"):
         _ranker_loss(other(*local), ly, scale).backward()
+
+
+def test_tables_frozen_when_wrapped_and_unfrozen_later_are_averaged(world):
+    """A skip-gram whose tables are frozen at first: nothing dense to start the pass, so
+    before the fix their gradients stayed local once unfrozen (the replicas drifted)."""
+    ref, model = _SkipGram(), _SkipGram()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    ddp = hpcdp.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    for step, (inputs, y) in enumerate(_skipgram_batches()):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        local, ly, scale = _local(world, inputs, y)
+        _skipgram_loss(ddp(*local), ly, scale).backward()
+        _skipgram_loss(ref(*inputs), y, 1.0 / B).backward()
+        opt.step()
+        ref_opt.step()
+        _assert_close(model, ref, step)
+    _gather_equal(world, hpcdp.check_replicas(model))
