@@ -98,7 +98,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
             raise NotImplementedError(f"rank {self._rank}: the hpcdp backend reduces sparse tensors "
                                       f"with ReduceOp.SUM only (as gloo), got {op}")
         c = t.detach().coalesce()
-        values = c.values().to(torch.promote_types(t.dtype, torch.float32))  # (numpy has no bf16)
+        values = c.values().float() if t.dtype == torch.bfloat16 else c.values()  # (numpy has no bf16)
         mine = (c.indices().cpu().numpy(), values.cpu().numpy())
         result, ctx = [t], self._ctx()
 

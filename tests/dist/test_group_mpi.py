@@ -86,20 +86,23 @@ def test_allreduce_bitwise_and_refusals(pg):
         dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.int64])
 def test_allreduce_of_a_sparse_tensor_is_the_works_value(pg, dtype):
     """Rank r has rows {r, r + 1} of 6 (a 2-D row-sparse tensor, as torch DDP's sparse
     embedding gradients): the sum is a new coalesced tensor, the Work's value and the
-    future's, the same bits on every rank; ops other than SUM are refused by name."""
+    future's, the same bits on every rank (int64 beyond float32's integers, exact); ops
+    other than SUM are refused by name."""
     rank, size = dist.get_rank(), dist.get_world_size()
+    base = float(1 << 40) if dtype == torch.int64 else 0.0
     rows = torch.tensor([[rank, rank + 1]])
-    x = torch.sparse_coo_tensor(rows, torch.full((2, 3), rank + 1.0), (size + 1, 3)).to(dtype)
+    x = torch.sparse_coo_tensor(rows, torch.full((2, 3), base + rank + 1.0, dtype=torch.float64),
+                                (size + 1, 3)).to(dtype)
     work = dist.all_reduce(x, async_op=True)
     got = work.get_future().wait()[0]
     assert got is work.result()[0] and got.is_sparse and got.is_coalesced() and got.dtype == dtype
     expected = torch.zeros(size + 1, 3, dtype=torch.float64)
     for r in range(size):
-        expected[r:r + 2] += r + 1.0
+        expected[r:r + 2] += base + r + 1.0
     assert torch.equal(got.to_dense().double(), expected)
     everyone = [None] * size
     dist.all_gather_object(everyone, got.to_dense().double().numpy().tobytes())
