@@ -110,8 +110,9 @@ def test_init_imports_torch_only_where_a_gpu_may_be_pinned():
     """``hpcdp.init()`` pins this rank's GPU through torch; on a machine without GPU device
     nodes a numpy-only job does not import torch (seconds per rank). torch imported before
     is used as it is."""
-    from hpcdp._runtime import _GPU_NODES
     import glob
+
+    from hpcdp._runtime import _GPU_NODES
     gpu_nodes = any(glob.glob(g) for g in _GPU_NODES)
     for first, expected in (("", gpu_nodes), ("import torch; ", True)):
         code = (f"import sys; {first}import hpcdp; hpcdp.init(); "

@@ -249,7 +249,7 @@ def test_a_module_replaced_after_wrapping_is_refused_before_its_forward(world):
     model = _mlp()
     ddp = hpcdp.DistributedDataParallel(model)
     model[4] = torch.nn.Linear(16, 4).double()
-    x, y = _batches(1)[0]
+    x, _ = _batches(1)[0]
     with pytest.raises(hpcdp.ModelChangedError, match="when it was wrapped: '4.weight', '4.bias'"):
         ddp(x)
     _assert_nothing_in_flight(world)
