@@ -23,11 +23,10 @@ modules use too (a tied output layer) is not sparse here: it stays in the bucket
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .reducer import _check_param
-from .tied import gather_rows
+from .tied import gather_rows, sum_rows
 
 __all__ = ["SparseGrads", "find"]
 
@@ -121,11 +120,7 @@ class SparseGrads:
 def _average(parts, size: int, p: torch.Tensor) -> torch.Tensor:
     """The sparse average of the ranks' ``(ids, rows)``: rows summed on the host in the
     order given (the same bits on every rank), divided by ``size``, on ``p``'s device."""
-    ids = torch.from_numpy(np.concatenate([a for a, _ in parts]))
-    values = torch.from_numpy(np.concatenate([b for _, b in parts]))
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    summed = torch.zeros((len(unique), *p.shape[1:]), dtype=values.dtype)
-    summed.index_add_(0, inverse, values)
+    unique, summed = sum_rows(parts)
     summed.div_(size)
     return torch.sparse_coo_tensor(unique[None].to(p.device), summed.to(p.device, p.dtype), p.shape,
                                    is_coalesced=True, check_invariants=False)

@@ -37,7 +37,7 @@ import torch
 
 from ..objects import allgather_gen
 
-__all__ = ["TiedEmbeddings", "find", "gather_rows"]
+__all__ = ["TiedEmbeddings", "find", "gather_rows", "sum_rows"]
 
 
 def find(module: torch.nn.Module) -> list[tuple[list[str], list[str]]]:
@@ -78,6 +78,17 @@ def gather_rows(rt, mine: list, stats: dict, what: str, done):
         stats["bytes_recv"] += moved
         done(everyone)
     return rt.engine.submit(exchange(), what, where={"phase": f"{what} (MPI_Iallgatherv)"})
+
+
+def sum_rows(parts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ranks' ``(ids, rows)`` host arrays in ``parts`` summed per distinct id, on the
+    host in the order given (the same bits on every rank): ``(distinct ids, their sums)``."""
+    ids = torch.from_numpy(np.concatenate([a for a, _ in parts]))
+    values = torch.from_numpy(np.concatenate([b for _, b in parts]))
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    summed = torch.zeros((len(unique), *values.shape[1:]), dtype=values.dtype)
+    summed.index_add_(0, inverse, values)
+    return unique, summed
 
 
 class _Tie:
@@ -216,13 +227,9 @@ class TiedEmbeddings:
         """``.grad[ids] += scale * sum(rows)``, summed on the host in the order given
         (deterministic), then added once per distinct id (so also on a GPU). Returns the
         distinct ids and what was added to their rows (on ``.grad``'s device), or None."""
-        ids = torch.from_numpy(np.concatenate([a for a, _ in parts]))
-        if ids.numel() == 0:
+        if not any(len(a) for a, _ in parts):
             return None
-        values = torch.from_numpy(np.concatenate([b for _, b in parts]))
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros(len(unique), values.shape[1], dtype=values.dtype)
-        summed.index_add_(0, inverse, values)
+        unique, summed = sum_rows(parts)
         if scale != 1.0:
             summed.mul_(scale)
         w = t.weight
