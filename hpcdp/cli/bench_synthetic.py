@@ -218,9 +218,10 @@ def _record(bench, r, runners, after) -> dict:
            "num_batches_per_iter": a.num_batches_per_iter, "num_warmup_batches": a.num_warmup_batches,
            "device": a.device, "threads": a.threads, "mpi": bench.rt.vendor, "lr": bench.optimizer.lr,
            "momentum": a.momentum, "join": a.join}
-    if bench.kind != "recsys":
-        rec["seq_len" if bench.kind == "language" else "image_size"] = \
-            a.seq_len if bench.kind == "language" else a.image_size
+    if bench.kind == "language":
+        rec["seq_len"] = a.seq_len
+    elif bench.kind == "image":
+        rec["image_size"] = a.image_size
     if r.bucket_mb is not None:
         rec["bucket_cap_mb"] = r.bucket_mb
         rec["algo"] = bench.rt.algo

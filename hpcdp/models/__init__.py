@@ -23,7 +23,7 @@ import torch
 
 from . import gpt2, recsys, resnet
 
-__all__ = ["MODELS", "build_model", "kind", "is_language_model", "synthetic_batch", "loss"]
+__all__ = ["MODELS", "build_model", "kind", "synthetic_batch", "loss"]
 
 _RESNETS = {"resnet18": resnet.resnet18, "resnet50": resnet.resnet50, "resnet101": resnet.resnet101}
 MODELS = (*_RESNETS, *gpt2.CONFIGS, *recsys.CONFIGS)
@@ -40,11 +40,6 @@ def kind(name: str) -> str:
     ``"recsys"`` (ids per table, a click target)."""
     _check(name)
     return "language" if name in gpt2.CONFIGS else "recsys" if name in recsys.CONFIGS else "image"
-
-
-def is_language_model(name: str) -> bool:
-    """True for the GPT-2 models (token inputs, per-token targets)."""
-    return kind(name) == "language"
 
 
 def build_model(name: str, seed: int = 0) -> torch.nn.Module:
@@ -68,10 +63,11 @@ def synthetic_batch(name: str, batch: int, *, image_size: int = 224, seq_len: in
     Recommender: int64 ids ``(batch, tables, lookups)`` uniform over each table's rows, and
     click labels (0 or 1).
     """
-    if kind(name) == "image":
+    what = kind(name)
+    if what == "image":
         x = torch.randn(batch, 3, image_size, image_size, generator=generator)
         return x, torch.randint(0, _NUM_CLASSES, (batch,), generator=generator)
-    if kind(name) == "recsys":
+    if what == "recsys":
         cfg = recsys.CONFIGS[name]
         x = torch.randint(0, cfg.rows, (batch, cfg.tables, cfg.lookups), generator=generator)
         return x, torch.randint(0, 2, (batch,), generator=generator)

@@ -45,7 +45,6 @@ def test_registry_names_and_unknown_name():
     assert models.MODELS == ("resnet18", "resnet50", "resnet101", "gpt2-mini", "gpt2-small",
                              "recsys", "recsys-dense", "recsys-mini")
     assert [models.kind(n) for n in models.MODELS] == ["image"] * 3 + ["language"] * 2 + ["recsys"] * 3
-    assert [models.is_language_model(n) for n in models.MODELS] == [False] * 3 + [True] * 2 + [False] * 3
     with pytest.raises(ValueError, match="unknown model 'vgg16'; choose from resnet18, resnet50, "
                                          "resnet101, gpt2-mini, gpt2-small, recsys"):
         models.build_model("vgg16")
