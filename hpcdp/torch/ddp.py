@@ -145,16 +145,17 @@ class DistributedDataParallel(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         # a forward without autograd (evaluation under no_grad) is not part of a training step
-        if torch.is_grad_enabled():
+        training = torch.is_grad_enabled()
+        if training:
             if self._growth.marked:
                 self._refuse_added()
             self.reducer.sparse.hook()
-        tracer = self.reducer.tracer if torch.is_grad_enabled() else None
+        tracer = self.reducer.tracer if training else None
         if tracer is not None:
             t0 = tracer.forward_begin()
         self.reducer.new_iteration()
         join = self.reducer.join
-        if join is not None and torch.is_grad_enabled():  # a training step inside join()
+        if join is not None and training:  # a training step inside join()
             join.train_round(self._require_sync)
             if tracer is not None:
                 t0 = tracer.now()  # the round is a COLLECTIVE of its own, not forward
