@@ -31,3 +31,12 @@ def gather_equal(world, obj):
     """Every rank of ``world`` holds an equal ``obj`` (asserted on every rank)."""
     everyone = world.allgather(obj)
     assert all(o == everyone[0] for o in everyone), everyone
+
+
+def assert_nothing_in_flight(world):
+    """A collective after an error completes on every rank with the right sum: the error left
+    no operation of a rank in flight (asserted on every rank)."""
+    import hpcdp
+    t = np.ones(2)
+    hpcdp.allreduce(t, op="sum")
+    assert np.array_equal(t, np.full(2, float(world.Get_size()))), f"rank {world.Get_rank()}: {t}"

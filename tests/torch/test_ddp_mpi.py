@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bits import gather_equal as _gather_equal, share as _share  # noqa: E402
+from bits import assert_nothing_in_flight, gather_equal as _gather_equal, share as _share  # noqa: E402
 import hpcdp  # noqa: E402
 from devices import DEVICES, device as _device  # noqa: E402
 from hpcdp.errors import (ModelMismatchError, ReplicaMismatchError,  # noqa: E402
@@ -219,12 +219,6 @@ class _Adapted(torch.nn.Module):
         return y + self.adapter(x) if hasattr(self, "adapter") else y
 
 
-def _assert_nothing_in_flight(world):
-    t = torch.ones(2, dtype=torch.float64)
-    hpcdp.allreduce(t, op="sum")
-    assert torch.equal(t, torch.full((2,), float(world.Get_size()), dtype=torch.float64))
-
-
 @pytest.mark.parametrize("find_unused", [False, True], ids=["strict", "find-unused"])
 def test_a_module_attached_after_wrapping_is_refused_before_its_forward(world, find_unused):
     """Before the fix the adapter trained on local gradients and the replicas drifted apart
@@ -242,7 +236,7 @@ def test_a_module_attached_after_wrapping_is_refused_before_its_forward(world, f
     assert f"rank {world.Get_rank()}: " in msg, msg
     assert "parameters it did not have when it was wrapped: 'adapter.weight', 'adapter.bias'" in msg, msg
     assert "then wrap the model" in msg, msg
-    _assert_nothing_in_flight(world)
+    assert_nothing_in_flight(world)
 
 
 def test_a_module_replaced_after_wrapping_is_refused_before_its_forward(world):
@@ -252,7 +246,7 @@ def test_a_module_replaced_after_wrapping_is_refused_before_its_forward(world):
     x, _ = _batches(1)[0]
     with pytest.raises(hpcdp.ModelChangedError, match="when it was wrapped: '4.weight', '4.bias'"):
         ddp(x)
-    _assert_nothing_in_flight(world)
+    assert_nothing_in_flight(world)
 
 
 def test_an_embedding_with_max_norm_is_refused_naming_it(world):
@@ -266,7 +260,7 @@ def test_an_embedding_with_max_norm_is_refused_naming_it(world):
     assert msg.startswith(f"rank {world.Get_rank()}: hpcdp.DistributedDataParallel: 'bounded' "
                           "(max_norm=1): an embedding with max_norm renormalises"), msg
     assert "emb.weight.renorm_(2, 0, max_norm)" in msg and "'ok'" not in msg, msg
-    _assert_nothing_in_flight(world)
+    assert_nothing_in_flight(world)
 
 
 def test_registrations_that_add_no_parameter_train_on(world):
@@ -307,7 +301,7 @@ def test_a_module_replaced_behind_torchs_back_is_named_on_every_rank(world, find
     assert f"rank {world.Get_rank()}:" in msg and "parameters '4.weight', '4.bias' received no gradient: " \
         "the model no longer has them" in msg, msg
     assert "before wrapping it" in msg
-    _assert_nothing_in_flight(world)
+    assert_nothing_in_flight(world)
 
 
 def test_find_unused_parameters_matches_single_process(world):

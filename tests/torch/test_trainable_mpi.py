@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bits import gather_equal as _gather_equal, share as _share  # noqa: E402
+from bits import assert_nothing_in_flight, gather_equal as _gather_equal, share as _share  # noqa: E402
 import hpcdp  # noqa: E402
 from devices import cuda_or_skip  # noqa: E402
 from hpcdp.errors import ModelMismatchError  # noqa: E402
@@ -199,10 +199,7 @@ def test_ranks_that_freeze_differently_fail_on_every_rank(world):
     assert f"rank {rank}:" in msg and "'0.weight' (and 1 more)" in msg, msg
     others = "0" if size == 2 else f"0-{size - 2}"
     assert f"requires grad on ranks {size - 1} but not on ranks {others}" in msg, msg
-    # nothing is left in flight: a collective after it works on every rank
-    t = torch.ones(2, dtype=torch.float64)
-    hpcdp.allreduce(t, op="sum")
-    assert torch.equal(t, torch.full((2,), float(size), dtype=torch.float64))
+    assert_nothing_in_flight(world)
 
 
 def test_a_compressed_momentum_optimizer_refuses_a_changed_set(world):
@@ -293,9 +290,7 @@ def test_a_param_group_added_on_some_ranks_only_fails_on_every_rank(world):
     msg = str(err.value)
     others = ", ".join(f"rank {r}: 2" for r in range(1, size))
     assert f"rank {rank}: " in msg and f"different numbers of parameters: rank 0: 4, {others}" in msg, msg
-    t = torch.ones(2, dtype=torch.float64)  # nothing is left in flight
-    hpcdp.allreduce(t, op="sum")
-    assert torch.equal(t, torch.full((2,), float(size), dtype=torch.float64))
+    assert_nothing_in_flight(world)
 
 
 def test_a_param_group_of_unnamed_parameters_is_refused(world):
