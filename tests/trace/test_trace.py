@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -326,7 +327,7 @@ def test_truncated_file_is_reported(run, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     src = os.path.join(run, "rank00000.h5")
-    data = open(src, "rb").read()
+    data = Path(src).read_bytes()
     (bad / "rank00000.h5").write_bytes(data[: len(data) // 2])
     with pytest.raises(TraceError, match=r"rank00000\.h5: cannot read the HDF5 file \(truncated"):
         load(bad)
@@ -466,7 +467,7 @@ def test_killed_writer_leaves_a_readable_file(tmp_path):
     # a killed writer's file cut short (a partial copy) is reported, not retried for minutes
     cut = tmp_path / "cut"
     cut.mkdir()
-    data = open(os.path.join(run, "rank00000.h5"), "rb").read()
+    data = Path(run, "rank00000.h5").read_bytes()
     (cut / "rank00000.h5").write_bytes(data[: len(data) // 2])
     with pytest.raises(TraceError, match=r"rank00000\.h5: truncated file"):
         load(cut)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from pathlib import Path
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -72,7 +73,7 @@ def summarise(records: list[dict], kind=NATIVE) -> list[dict]:
 def main(args: list[str]) -> int:
     kind = BACKEND if "--backend" in args else NATIVE
     paths = [a for a in args if a != "--backend"]
-    records = [json.loads(line) for p in paths for line in open(p) if line.strip()]
+    records = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
     for rec in summarise([r for r in records if r.get("bench") == "allreduce" and "round" in r], kind):
         print(json.dumps(rec))
     return 0

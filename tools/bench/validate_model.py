@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=os.cpu_count(),
                     help="cores of the machine measured on (default: this one's)")
     args = ap.parse_args(argv)
-    records = [json.loads(line) for p in args.measured for line in open(p) if line.strip()]
+    records = [json.loads(line) for p in args.measured for line in Path(p).read_text().splitlines() if line.strip()]
     if "{round}" in args.calibration:
         rounds = sorted({r["round"] for r in records if r.get("round") is not None})
         paths = {rnd: args.calibration.format(round=rnd) for rnd in rounds}

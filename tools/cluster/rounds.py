@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from pathlib import Path
 
 
 def summarise(lines: list[dict], base: str = "ring") -> list[dict]:
@@ -52,7 +53,7 @@ def main(argv: list[str]) -> int:
     base = "ring"
     if argv[:1] == ["--base"]:
         base, argv = argv[1], argv[2:]
-    lines = [json.loads(line) for p in argv for line in open(p) if line.strip().startswith("{")]
+    lines = [json.loads(line) for p in argv for line in Path(p).read_text().splitlines() if line.strip().startswith("{")]
     for rec in summarise(lines, base):
         print(json.dumps(rec))
     return 0
