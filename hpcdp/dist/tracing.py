@@ -11,9 +11,11 @@ files as :class:`~hpcdp.DistributedDataParallel` writes (``docs/trace-format.md`
    allgather, the whole input of a reduce-scatter);
 2. OPTIMIZER: ``step()`` of any ``torch.optim`` optimizer (torch's global step hooks; the
    outermost one where an optimizer steps another inside its own step);
-3. STEP n: from the end of optimizer step n - 1 (the default group's creation for step 0)
-   to the end of optimizer step n. Calls after the last optimizer step make one more step,
-   closed at interpreter exit, when the file is closed.
+3. STEP n: from the end of step n - 1 (the default group's creation for step 0) to the end
+   of the last optimizer step before the next call: with several optimizers (``SparseAdam``
+   for sparse embeddings, ``Adam`` for the rest) all their steps are in the one step. Calls
+   after the last optimizer step make one more step, closed at interpreter exit, when the
+   file is closed.
 
 The recorder is opened once per process, by the first default group made while
 ``HPCDP_TRACE`` is set, and shared by every group; ``destroy_process_group`` flushes it.
@@ -66,6 +68,7 @@ class CallTracer:
         self._ids: dict[str, int] = {}
         self.step, self.number, self.step_t0 = 0, 0, rec.now()
         self._opt_t0, self._opt_depth = 0, 0
+        self._opt_t1 = None   # end of the open step's last optimizer step, if any
         self.closed = False
         self._hooks = [register_optimizer_step_pre_hook(self._optimizer_starts),
                        register_optimizer_step_post_hook(self._optimizer_ends)]
@@ -76,6 +79,7 @@ class CallTracer:
         if cid is None:
             cid = self._ids[name] = self.rec.call_id(name)
         with self._lock:
+            self._end_stepped()
             started = (self.now(), self.step, self.number, cid, nbytes)
             self.number += 1
         return started
@@ -97,8 +101,13 @@ class CallTracer:
         with self._lock:
             if self.closed or self._opt_depth:
                 return
-            t1 = self.now()
-            self.rec.span(_OPTIMIZER, self._opt_t0, t1, self.step)
+            self._opt_t1 = self.now()
+            self.rec.span(_OPTIMIZER, self._opt_t0, self._opt_t1, self.step)
+
+    def _end_stepped(self) -> None:
+        """End the open step where its last optimizer step ended, if one did (under the lock)."""
+        if self._opt_t1 is not None:
+            t1, self._opt_t1 = self._opt_t1, None
             self.rec.step(self.step_t0, t1, self.step)
             self.step, self.number, self.step_t0 = self.step + 1, 0, t1
 
@@ -112,6 +121,7 @@ class CallTracer:
         with self._lock:
             if self.closed:
                 return
+            self._end_stepped()
             self.closed = True
             if self.number:
                 self.rec.step(self.step_t0, self.now(), self.step)

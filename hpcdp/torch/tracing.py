@@ -16,9 +16,11 @@ events of an :mod:`hpcdp.trace` recorder (layout: ``docs/trace-format.md``):
   step had to wait for.
 - OPTIMIZER: ``step()`` of any ``torch.optim`` optimizer holding the model's
   parameters (global optimizer step hooks, removed by :meth:`close`).
-- STEP: from the first forward of a step to the end of its optimizer step;
-  without an optimizer over these parameters, to the end of the exposed wait of
-  the step's synchronised backward, closed by the next forward. Backward passes
+- STEP: from the first forward of a step to the end of its last optimizer step
+  (with several optimizers, say ``SparseAdam`` for the embeddings and ``Adam`` for the
+  rest, every one that steps before the next forward belongs to the step, which that
+  forward closes); without an optimizer over these parameters, to the end of the
+  exposed wait of the step's synchronised backward, closed by the next forward. Backward passes
   under ``no_sync()`` belong to the step they accumulate for. Under
   :func:`~hpcdp.DistributedOptimizer` there is no forward to see: a step starts
   with its first backward.
@@ -101,7 +103,8 @@ class StepTracer:
         self._t_end = 0              # end of the open step's synchronised wait
         self._synced = False         # the open step had its synchronised backward
         self._t_bwd = None           # start of the backward under way
-        self._t_opt = None
+        self._t_opt = None           # start of the optimizer step under way
+        self._t_opt_end = None       # end of the open step's last optimizer step, if any
         self._ours = frozenset(id(p) for p in params)
         self._is_ours = weakref.WeakKeyDictionary()   # optimizer -> holds our parameters
         self._optimizer_ends_steps = False
@@ -115,12 +118,19 @@ class StepTracer:
         return t
 
     def _open_step(self, t: int) -> None:
-        """A step starts at ``t`` unless one is open; a synchronised one that only the next
-        forward closes (no optimizer over our parameters) ends first."""
+        """A step starts at ``t`` unless one is open; an open one ends first if its optimizer
+        stepped, or if it is synchronised and only the next forward closes it (no optimizer
+        over our parameters)."""
+        self._end_stepped()
         if self._t_step is not None and self._synced and not self._optimizer_ends_steps:
             self._end_step(self._t_end)
         if self._t_step is None:
             self._t_step = t
+
+    def _end_stepped(self) -> None:
+        """End the open step where its last optimizer step ended, if one did."""
+        if self._t_opt_end is not None:
+            self._end_step(self._t_opt_end)
 
     def forward_end(self, t0: int, out) -> None:
         self.rec.span(_FORWARD, t0, self.now(), self.step)
@@ -130,8 +140,10 @@ class StepTracer:
 
     # -- reducer -----------------------------------------------------------------------
     def backward_begin(self) -> None:
-        """Backward has begun: the forward output's gradient, or else the first parameter's."""
+        """Backward has begun: the forward output's gradient, or else the first parameter's
+        (without a traced forward, it ends a step whose optimizer stepped)."""
         if self._t_bwd is None:
+            self._end_stepped()
             self._t_bwd = self.now()
 
     def backward_end(self) -> None:
@@ -169,10 +181,13 @@ class StepTracer:
         self.rec.call(t0, t1, self.step, 0, self.rec.call_id("join round"), nbytes)
 
     def end_step(self, t: int) -> None:
-        """End the open step: at its synchronised wait's end, else at ``t`` (a shadowed step
-        without gradients, or the last round)."""
+        """End the open step: at its optimizer's end, else its synchronised wait's, else at
+        ``t`` (a shadowed step without gradients, or the last round)."""
         if self._t_step is not None:
-            self._end_step(self._t_end if self._synced else t)
+            if self._t_opt_end is not None:
+                self._end_step(self._t_opt_end)
+            else:
+                self._end_step(self._t_end if self._synced else t)
 
     def layout(self, nbytes, names) -> None:
         """The bucket layout: gradient bytes and parameter names per bucket."""
@@ -199,17 +214,16 @@ class StepTracer:
             return
         t = self.now()
         self.rec.span(_OPTIMIZER, self._t_opt, t, self.step)
-        self._t_opt = None
-        self._optimizer_ends_steps = True
         if self._t_step is None:
-            self._t_step = t
-        self._end_step(t)
+            self._t_step = self._t_opt
+        self._t_opt, self._t_opt_end = None, t
+        self._optimizer_ends_steps = True
 
     # -- end ---------------------------------------------------------------------------
     def _end_step(self, t1: int) -> None:
         self.rec.step(self._t_step, t1, self.step)
         self.step += 1
-        self._t_step = None
+        self._t_step = self._t_opt_end = None
         self._synced = False
 
     def close(self) -> None:
@@ -218,6 +232,7 @@ class StepTracer:
         for h in self._hooks:
             h.remove()
         self._hooks = ()
+        self._end_stepped()
         if self._t_step is not None and self._synced:
             self._end_step(self._t_end)
         self._t_step = None

@@ -122,3 +122,32 @@ def test_steps_end_at_the_outermost_optimizer_step_and_late_calls_are_dropped(tm
     assert [(int(c["step"]), r.call_name(int(c["index"]))) for c in calls] == [
         (0, "allreduce"), (1, "allreduce"), (2, "broadcast")]
     assert load(tmp_path).check() == []
+
+
+def test_optimizers_stepping_one_after_another_share_the_step(tmp_path):
+    """One process, the tracer alone: SparseAdam and Adam stepping one after the other (the
+    recommender recipe) are one step, which ends with the second; the next call starts the
+    next step."""
+    import torch
+
+    from hpcdp.dist.tracing import CallTracer
+    from hpcdp.trace import Recorder
+
+    w, v = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opts = [torch.optim.SGD([w], lr=0.1), torch.optim.Adam([v], lr=0.1)]
+    tracer = CallTracer(Recorder(tmp_path, 0, 1))
+    for _ in range(2):
+        tracer.end(tracer.start("allreduce", 12))
+        w.grad, v.grad = torch.ones(3), torch.ones(3)
+        for opt in opts:
+            opt.step()
+    tracer.close()
+    r = load(tmp_path).rank(0)
+    steps, optimizer = r.of_kind(EventKind.STEP), r.of_kind(EventKind.OPTIMIZER)
+    assert steps["step"].tolist() == [0, 1]
+    assert optimizer["step"].tolist() == [0, 0, 1, 1]
+    assert steps["t1"].tolist() == optimizer["t1"][1::2].tolist()
+    assert steps["t0"][1] == steps["t1"][0]
+    calls = r.of_kind(EventKind.COLLECTIVE)
+    assert calls["step"].tolist() == [0, 1]
+    assert load(tmp_path).check() == []

@@ -262,3 +262,27 @@ def test_forwards_without_grad_are_not_steps(rt, mpi_tmp_path):
         assert steps["step"].tolist() == [0, 1, 2]
         assert forward["step"].tolist() == [0, 1, 2]
         assert steps["t0"].tolist() == forward["t0"].tolist()
+
+
+def test_two_optimizers_make_one_step(rt, mpi_tmp_path):
+    """SparseAdam for the embeddings and another optimizer for the rest (the recommender
+    recipe): both optimizer steps belong to the one step, which ends with the second."""
+    run = _run_dir(mpi_tmp_path, "two-optimizers")
+    ddp = _traced(run)
+    first, rest = list(ddp.module[0].parameters()), list(ddp.module[1:].parameters())
+    opts = [torch.optim.SGD(first, lr=0.05), torch.optim.Adam(rest, lr=1e-3)]
+    g = torch.Generator().manual_seed(hpcdp.rank())
+    for _ in range(3):
+        x, y = torch.randn(8, 24, generator=g), torch.randint(0, 5, (8,), generator=g)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    t = _finish(ddp, run)
+    for r in t.ranks:
+        steps, optimizer = r.of_kind(K.STEP), r.of_kind(K.OPTIMIZER)
+        assert steps["step"].tolist() == [0, 1, 2]
+        assert optimizer["step"].tolist() == [0, 0, 1, 1, 2, 2]
+        assert steps["t1"].tolist() == optimizer["t1"][1::2].tolist()
+        assert steps["t0"].tolist() == r.of_kind(K.FORWARD)["t0"].tolist()
+
