@@ -578,6 +578,10 @@ class Reducer:
         if self.sparse:
             self.sparse.launch(self.stats, contribute)
 
+    def _exchanges(self) -> list:
+        """The rows exchanges after the buckets (:mod:`hpcdp.torch.rows`), in launch order."""
+        return [x.exchange for x in (self.tied, self.sparse) if x]
+
     def flush(self) -> None:
         """Fill in parameters that got no gradient and launch every remaining bucket."""
         absent = [i for i, r in enumerate(self._ready) if not r]
@@ -648,18 +652,16 @@ class Reducer:
                 b.handle.wait()
                 if b.tail_handle is not None:
                     b.tail_handle.wait()
-            if self.tied is not None:
-                self.tied.wait()
-            if self.sparse:
-                self.sparse.wait()
+            for x in self._exchanges():
+                x.wait()
             if self.sync_buffers is not None:
                 self.sync_buffers(self.layout_root)
         except Exception:
             self._reset()
             if self.tied is not None:
                 self.tied.discard()
-            if self.sparse:
-                self.sparse.discard()
+            for x in self._exchanges():
+                x.discard()
             raise
         t1 = perf_counter_ns()
         self._account(launched, t0, t1)
@@ -717,6 +719,9 @@ class Reducer:
         if launched and "nonfinite" in launched[0].stats:
             stats["nonfinite"] = nonfinite
         if tracer is not None:
+            for x in self._exchanges():
+                if x.handle is not None:
+                    tracer.rows_done(x.what, x.handle, x.nbytes, x.sent)
             tracer.exposed(t0, t1)
 
     def _guard(self, launched) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .reducer import _check_param
-from .tied import gather_rows, sum_rows
+from .rows import RowsExchange, sum_rows
 
 __all__ = ["SparseGrads", "find"]
 
@@ -56,8 +56,7 @@ class SparseGrads:
         self.names = [n for n, _ in named]
         self.weights = [p for _, p in named]
         self.reducer = reducer
-        self.handle = None
-        self.gathered = None
+        self.exchange = RowsExchange(reducer.rt, "sparse gradient rows")
         self._hooked = [False] * len(self.weights)
         for name, p in named:
             _check_param(reducer.owner, name, p)
@@ -91,26 +90,14 @@ class SparseGrads:
     def launch(self, stats: dict, contribute: bool = True) -> None:
         """Start the exchange of every rank's rows (after the buckets, in the engine's order);
         ``contribute=False``: send none (a rank that shadows the step)."""
-        mine = [self._take(p) if contribute else None for p in self.weights]
-        self.handle = gather_rows(self.reducer.rt, mine, stats, "sparse gradient rows", self._gathered)
-
-    def _gathered(self, everyone) -> None:
-        self.gathered = everyone
-
-    def wait(self) -> None:
-        if self.handle is not None:
-            self.handle.wait()
-
-    def discard(self) -> None:
-        """Forget an exchange not yet applied (an aborted backward or step)."""
-        self.handle = self.gathered = None
+        self.exchange.start([self._take(p) if contribute else None for p in self.weights], stats)
 
     def apply(self) -> None:
         """Set every weight's ``.grad`` to the average of the ranks' rows."""
-        if self.gathered is None:
+        everyone = self.exchange.take()
+        if everyone is None:
             return
-        everyone, size = self.gathered, len(self.gathered)
-        self.handle = self.gathered = None
+        size = len(everyone)
         for k, p in enumerate(self.weights):
             parts = [theirs[k] for theirs in everyone if theirs[k] is not None]
             if parts:

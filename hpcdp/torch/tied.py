@@ -32,12 +32,11 @@ linear): the owner runs the model unsplit under ``OneBitAdam``.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from ..objects import allgather_gen
+from .rows import RowsExchange, sum_rows
 
-__all__ = ["TiedEmbeddings", "find", "gather_rows", "sum_rows"]
+__all__ = ["TiedEmbeddings", "find"]
 
 
 def find(module: torch.nn.Module) -> list[tuple[list[str], list[str]]]:
@@ -61,34 +60,6 @@ def find(module: torch.nn.Module) -> list[tuple[list[str], list[str]]]:
         if others and key not in refused:
             found.append((embedding_names, others))
     return found
-
-
-def gather_rows(rt, mine: list, stats: dict, what: str, done):
-    """Start, on the engine after what is queued, the exchange of every rank's ``mine`` (per
-    weight: host arrays ``(ids, rows)``, or None) in one ``MPI_Iallgatherv``; ``done`` gets
-    every rank's, in rank order. ``stats`` counts the bytes a ring allgather moves per rank.
-    Returns the engine's handle."""
-    def exchange():
-        everyone = yield from allgather_gen(rt.comm, rt.MPI, mine)
-
-        def nbytes(rows):
-            return sum(a.nbytes + b.nbytes for a, b in filter(None, rows))
-        moved = sum(nbytes(theirs) for theirs in everyone) - nbytes(mine)
-        stats["bytes_sent"] += moved
-        stats["bytes_recv"] += moved
-        done(everyone)
-    return rt.engine.submit(exchange(), what, where={"phase": f"{what} (MPI_Iallgatherv)"})
-
-
-def sum_rows(parts) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ranks' ``(ids, rows)`` host arrays in ``parts`` summed per distinct id, on the
-    host in the order given (the same bits on every rank): ``(distinct ids, their sums)``."""
-    ids = torch.from_numpy(np.concatenate([a for a, _ in parts]))
-    values = torch.from_numpy(np.concatenate([b for _, b in parts]))
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    summed = torch.zeros((len(unique), *values.shape[1:]), dtype=values.dtype)
-    summed.index_add_(0, inverse, values)
-    return unique, summed
 
 
 class _Tie:
@@ -117,8 +88,7 @@ class TiedEmbeddings:
             # the reducer knows the Parameter by its first name
             i = next(index[n] for n in [*names, *others] if n in index)
             self.ties.append(_Tie(i, embeddings[0].weight, embeddings, names, others))
-        self.handle = None
-        self.gathered = None
+        self.exchange = RowsExchange(reducer.rt, "tied embedding rows")
 
     def __bool__(self) -> bool:
         return bool(self.ties)
@@ -176,7 +146,7 @@ class TiedEmbeddings:
         """Forget rows not yet applied (an aborted backward or step)."""
         for t in self.ties:
             t.ids, t.values = [], []
-        self.handle = self.gathered = None
+        self.exchange.discard()
 
     @staticmethod
     def _take(t):
@@ -199,23 +169,14 @@ class TiedEmbeddings:
 
     def launch(self, stats: dict) -> None:
         """Start the exchange of every rank's rows (after the buckets, in the engine's order)."""
-        rt = self.reducer.rt
-        mine = [self._take(t) for t in self.ties]
-        self.handle = gather_rows(rt, mine, stats, "tied embedding rows", self._gathered)
-
-    def _gathered(self, everyone) -> None:
-        self.gathered = everyone
-
-    def wait(self) -> None:
-        if self.handle is not None:
-            self.handle.wait()
+        self.exchange.start([self._take(t) for t in self.ties], stats)
 
     def apply(self) -> None:
         """Add the average of every rank's rows into ``.grad`` (after the buckets' averages)."""
-        if self.gathered is None:
+        everyone = self.exchange.take()
+        if everyone is None:
             return
-        everyone, size = self.gathered, len(self.gathered)
-        self.handle = self.gathered = None
+        size = len(everyone)
         momentum = self.reducer.momentum
         for k, t in enumerate(self.ties):
             added = self._add(t, [theirs[k] for theirs in everyone], 1.0 / size)

@@ -12,8 +12,11 @@ events of an :mod:`hpcdp.trace` recorder (layout: ``docs/trace-format.md``):
   moment the progress engine started the bucket's allreduce to its completion,
   with the payload (bytes handed to the allreduce, after compression) and this
   rank's wire bytes; RING_STEP (level 2) for every ring step of it.
-- EXPOSED_WAIT: end of backward to every bucket reduced, the communication the
-  step had to wait for.
+- COLLECTIVE "tied embedding rows" / "sparse gradient rows": the rows exchange after
+  the buckets (:mod:`hpcdp.torch.rows`), from its start on the progress engine to its
+  completion, with every rank's rows' bytes and this rank's wire bytes.
+- EXPOSED_WAIT: end of backward to every bucket (and rows exchange) done, the
+  communication the step had to wait for.
 - OPTIMIZER: ``step()`` of any ``torch.optim`` optimizer holding the model's
   parameters (global optimizer step hooks, removed by :meth:`close`).
 - STEP: from the first forward of a step to the end of its last optimizer step
@@ -168,6 +171,12 @@ class StepTracer:
 
     def bucket_done(self, index: int, handle, payload: int, sent: int, recv: int, codec: int) -> None:
         self.rec.comm(handle.t_start, handle.t_end, self.step, index, payload, sent, recv, codec)
+
+    def rows_done(self, what: str, handle, nbytes: int, sent: int) -> None:
+        """A rows exchange (:mod:`hpcdp.torch.rows`) ended: ``nbytes`` gathered, ``sent`` (and
+        as many received) on the wire by this rank."""
+        rec = self.rec
+        rec.call(handle.t_start, handle.t_end, self.step, 0, rec.call_id(what), nbytes, sent, sent)
 
     def exposed(self, t0: int, t1: int) -> None:
         self.rec.span(_EXPOSED, t0, t1, self.step)

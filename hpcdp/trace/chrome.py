@@ -3,7 +3,8 @@
 One process per rank (``pid`` = rank), two threads per process: ``tid`` 1
 compute (step, forward, backward, exposed wait, optimizer) and ``tid`` 2
 communication (bucket transfers, ring steps, bucket-ready instants, the
-torch.distributed backend's calls, named by the call). Spans
+torch.distributed backend's calls and the wrappers' rows exchanges and join rounds,
+named by the call). Spans
 are complete events (``ph: "X"``) with ``ts``/``dur`` in microseconds from the
 run's first event, in rank 0's clock. The file is streamed in batches of
 events, so memory stays flat however large the run.
@@ -82,7 +83,7 @@ def _lines(origin: int, r: RankTrace, ev) -> list[str]:
         elif kind == _CALL:
             lines.append(f'{{"name":{call[index]},"cat":"comm","ph":"X","ts":{ts},"dur":{dur},'
                          f'"pid":{pid},"tid":{COMM_TID},"args":{{"step":{step},"call":{bucket},'
-                         f'"bytes":{nbytes}}}}}')
+                         f'"bytes":{nbytes},"bytes_sent":{sent},"bytes_recv":{recv}}}}}')
         elif kind == _READY:
             lines.append(f'{{"name":"bucket {bucket} ready","cat":"comm","ph":"i","s":"t","ts":{ts},'
                          f'"pid":{pid},"tid":{COMM_TID},"args":{{"step":{step},"bucket":{bucket}}}}}')

@@ -231,10 +231,12 @@ class Recorder:
             mv[o + 7] = bytes_sent
             mv[o + 8] = bytes_recv
 
-    def call(self, t0: int, t1: int, step: int, number: int, call: int, nbytes: int) -> None:
+    def call(self, t0: int, t1: int, step: int, number: int, call: int, nbytes: int,
+             bytes_sent: int = 0, bytes_recv: int = 0) -> None:
         """A collective call (COLLECTIVE) made at ``t0`` during ``step``, its operation ended at
         ``t1``: the step's ``number``-th call, named by ``call`` (an id from :meth:`call_id`),
-        of ``nbytes`` (its tensors' bytes as nccl-tests count them)."""
+        of ``nbytes`` (its tensors' bytes as nccl-tests count them); ``bytes_sent`` /
+        ``bytes_recv``: this rank's wire traffic where the caller knows it (0 otherwise)."""
         with self._lock:
             o = self._slot()
             mv = self._mv
@@ -245,6 +247,8 @@ class Recorder:
             mv[o + 4] = t0
             mv[o + 5] = t1
             mv[o + 6] = nbytes
+            mv[o + 7] = bytes_sent
+            mv[o + 8] = bytes_recv
 
     def step(self, t0: int, t1: int, step: int) -> None:
         """The whole of ``step`` (STEP), recorded after its last event; flushes to
@@ -407,7 +411,7 @@ class NullRecorder:
     def ring(self, t0, t1, step, bucket, index, nbytes, bytes_sent, bytes_recv) -> None:
         pass
 
-    def call(self, t0, t1, step, number, call, nbytes) -> None:
+    def call(self, t0, t1, step, number, call, nbytes, bytes_sent=0, bytes_recv=0) -> None:
         pass
 
     def step(self, t0, t1, step) -> None:

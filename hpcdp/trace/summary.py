@@ -16,11 +16,15 @@ Definitions (also in ``docs/tracing.md``), per rank and step, times aligned to r
   time) over its transfers, n the world size (the nccl-tests convention).
 - slowest rank of a step: the rank whose STEP ends last; lag = latest end -
   earliest end.
-- calls (COLLECTIVE events: the torch.distributed backend's calls, join rounds), per call
-  name over all ranks and steps: calls per step and rank, mean bytes, mean and p99 time
-  from the call to the end of its operation, and bus bandwidth = factor * sum(bytes) /
-  sum(time) with the nccl-tests factor of the call (allreduce 2 (n - 1) / n, allgather and reduce-scatter
-  (n - 1) / n, broadcast 1; none for other calls and for sub-groups' calls).
+- volumes per step: payload, the BUCKET_COMM events' bytes; sent and received, this
+  rank's wire bytes of its BUCKET_COMM and COLLECTIVE events (the wrappers' rows
+  exchanges count theirs; the backend's calls record none).
+- calls (COLLECTIVE events: the torch.distributed backend's calls, join rounds, the
+  wrappers' rows exchanges), per call name over all ranks and steps: calls per step and
+  rank, mean bytes, mean and p99 time from the call to the end of its operation, and bus
+  bandwidth = factor * sum(bytes) / sum(time) with the nccl-tests factor of the call
+  (allreduce 2 (n - 1) / n, allgather, reduce-scatter and the rows exchanges (n - 1) / n,
+  broadcast 1; none for other calls and for sub-groups' calls).
 
 Statistics over steps are mean, p50 and p99 (numpy's linear interpolation).
 """
@@ -189,8 +193,9 @@ def _rank_figures(trace: Trace, r, i: int, steps, phases, volumes, ends) -> tupl
     calls = ev["kind"] == EventKind.COLLECTIVE
     moving = c | calls
     phases["communication"][i] = per_step(moving, _union_parts(ev["t0"][moving], ev["t1"][moving]))
-    for name, fld in (("payload", "nbytes"), ("bytes_sent", "bytes_sent"), ("bytes_recv", "bytes_recv")):
-        volumes[name][i] = per_step(c, ev[fld][c].astype(np.float64))
+    volumes["payload"][i] = per_step(c, ev["nbytes"][c].astype(np.float64))
+    for name in ("bytes_sent", "bytes_recv"):
+        volumes[name][i] = per_step(moving, ev[name][moving].astype(np.float64))
     names = np.array([r.call_name(int(k)) for k in ev["index"][calls]], dtype=object)
     return ev[c], (names, ev["nbytes"][calls].astype(np.float64), dur[calls])
 
@@ -239,7 +244,10 @@ def _bucket_figures(comm: np.ndarray, layout: np.ndarray, world: int) -> dict:
 
 #: nccl-tests' bus bandwidth factor of a call on n ranks
 _BUS_FACTOR = {"allreduce": lambda n: 2.0 * (n - 1) / n, "allgather": lambda n: (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+               "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
+               # the wrappers' rows exchanges (hpcdp.torch.rows), allgathers
+               "tied embedding rows": lambda n: (n - 1) / n,
+               "sparse gradient rows": lambda n: (n - 1) / n}
 
 
 def _call_figures(parts: list, rank_steps: int, world: int) -> dict:

@@ -286,3 +286,57 @@ def test_two_optimizers_make_one_step(rt, mpi_tmp_path):
         assert steps["t1"].tolist() == optimizer["t1"][1::2].tolist()
         assert steps["t0"].tolist() == r.of_kind(K.FORWARD)["t0"].tolist()
 
+
+class _RowsModel(torch.nn.Module):
+    """A tied embedding (split: its rows are exchanged) and a sparse bag (rows exchanged)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 8)
+        self.bag = torch.nn.EmbeddingBag(30, 8, mode="sum", sparse=True)
+        self.out = torch.nn.Linear(8, 50, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, tokens, bag):
+        return self.out(self.emb(tokens).mean(1) + self.bag(bag))
+
+
+def test_rows_exchanges_are_traced_with_their_bytes(rt, mpi_tmp_path):
+    """The rows of a split tied embedding and of a sparse bag travel after the buckets, each
+    a COLLECTIVE per step named by what it moves: every rank's rows' bytes (the same on
+    every rank), this rank's wire bytes (with the buckets', the wrapper's counters), and
+    the summary's calls table and sent bytes hold them."""
+    from hpcdp.trace import summarize
+    run = _run_dir(mpi_tmp_path, "rows")
+    ddp = hpcdp.DistributedDataParallel(_RowsModel(), trace=run)
+    dense = torch.optim.SGD([p for n, p in ddp.module.named_parameters() if n != "bag.weight"], lr=0.1)
+    sparse = torch.optim.SparseAdam([ddp.module.bag.weight])
+    g = torch.Generator().manual_seed(hpcdp.rank())
+    for _ in range(STEPS):
+        tokens, bag = torch.randint(0, 50, (4, 3), generator=g), torch.randint(0, 30, (4, 2), generator=g)
+        torch.nn.functional.cross_entropy(ddp(tokens, bag), torch.randint(0, 50, (4,), generator=g)).backward()
+        for opt in (dense, sparse):
+            opt.step()
+            opt.zero_grad()
+    stats = ddp.comm_stats
+    everyone = rt.world.allgather(stats["bytes_sent"])
+    t = _finish(ddp, run)
+    names = ["tied embedding rows", "sparse gradient rows"]
+    per_rank = []
+    for r in t.ranks:
+        calls, comm = r.of_kind(K.COLLECTIVE), r.of_kind(K.BUCKET_COMM)
+        assert sorted(r.call_name(i) for i in calls["index"].tolist()) == sorted(names * STEPS)
+        assert sorted(calls["step"].tolist()) == sorted(list(range(STEPS)) * 2)
+        assert np.all(calls["t0"] <= calls["t1"]) and np.all(calls["bytes_sent"] == calls["bytes_recv"])
+        # 4 x 3 token rows of 8 float32 plus their int64 ids, per rank; the bag's distinct ids
+        tied = calls[[r.call_name(i) == names[0] for i in calls["index"].tolist()]]
+        assert tied["nbytes"].tolist() == [t.world_size * 12 * (8 * 4 + 8)] * STEPS
+        assert int(calls["bytes_sent"].sum() + comm["bytes_sent"].sum()) == everyone[r.rank]
+        if t.world_size == 1:
+            assert int(calls["bytes_sent"].sum()) == 0
+        per_rank.append(sorted(zip(calls["step"].tolist(), calls["index"].tolist(), calls["nbytes"].tolist())))
+    assert all(p == per_rank[0] for p in per_rank)
+    s = summarize(t)
+    assert set(s.calls) == set(names) and all(s.calls[n]["per_step"] == 1.0 for n in names)
+    assert s.per_step("bytes_sent") == pytest.approx(np.mean(everyone) / STEPS)
