@@ -20,6 +20,7 @@ import time
 import traceback
 
 from ._launch import alone_but_launched_with_others
+from .comm.departure import Departures
 from .comm.engine import Engine
 from .errors import LaunchError, NotInitializedError
 
@@ -108,6 +109,8 @@ class _Runtime:
         self.engine = Engine(self.comm, MPI, mode, self.yield_cpu, thread_setup=_thread_setup)
         # small native exchanges outside the engine (trace clock alignment) never match ours
         self.control = self.comm.Dup()
+        # a rank that finishes tells the others (hpcdp.comm.departure), on a communicator of its own
+        self.departures = Departures(self.comm.Dup(), MPI, self.hostname) if self.size > 1 else None
         from .compress.state import StateStore
         self.codec_states = StateStore(self.size, self.rank)
         self._tmp = {}
@@ -484,6 +487,9 @@ def init(comm=None) -> None:
         timeout = float(os.environ.get("HPCDP_STALL_TIMEOUT", "600"))
         if timeout > 0:
             watch_stalls(_rt, timeout)
+        if _rt.departures is not None and _rt.engine.mode == "thread":
+            rt = _rt
+            rt.engine.watch_departures(rt.departures, lambda msg: _abort(rt, "a rank finished", msg))
 
 
 def watch_stalls(rt: _Runtime, timeout: float, source: str = "HPCDP_STALL_TIMEOUT") -> None:
@@ -621,6 +627,8 @@ def finalize() -> None:
         if _rt is not None:
             _rt.engine.close()
             if not _rt.MPI.Is_finalized():
+                if _rt.departures is not None:
+                    _rt.departures.leave(_rt.engine.ops, _rt.engine.last_name)
                 _rt.release()
             _rt = None
 

@@ -87,11 +87,14 @@ class Engine:
         self._cv = threading.Condition(self._lock)
         self._running: Handle | None = None    # op currently being driven
         self._waiters = 0                       # callers blocked in wait()
-        self._seq = 0
+        self._seq = 0                           # operations submitted or claimed so far
+        self.last_name = None                   # the last one's name
         self._tags = itertools.count()
         self._thread = None
         self._closed = False
-        self._stall = None                     # (timeout_s, where it was set) once watched
+        self._stall = None                     # (timeout_s, where it was set, abort) once watched
+        self._watching = False                 # the watchdog thread runs
+        self._departures = None                # (Departures, abort) once watched
         self.last_progress = monotonic()
         self.thread_cpu_ns = 0                 # CPU time the progress thread spent driving ops
         # wait by testing requests and yielding the core between tests, instead of
@@ -107,6 +110,7 @@ class Engine:
             if self._closed:
                 raise CommError("hpcdp engine is shut down (hpcdp.finalize() was called)")
             self._seq += 1
+            self.last_name = name
             h = Handle(self, gen, name, result, self._seq, where)
             self._queue.append(h)
             if self.mode == "thread":
@@ -151,6 +155,7 @@ class Engine:
             if self._running is not None or self._queue:
                 return None
             self._seq += 1
+            self.last_name = name
             h = Handle(self, gen, name, result, self._seq, where)
             self._take(h)
         return h
@@ -166,6 +171,11 @@ class Engine:
             self._release(h)  # (the thread may wait for the engine to be free)
         if h._error is not None:
             raise h._error
+
+    @property
+    def ops(self) -> int:
+        """How many operations were submitted or claimed so far."""
+        return self._seq
 
     @property
     def closed(self) -> bool:
@@ -334,24 +344,52 @@ class Engine:
         Called again (a torch.distributed process group's ``timeout``, named by
         ``source``), the shorter timeout wins; there is one watchdog.
         """
-        if self._stall is not None:
-            if timeout < self._stall[0]:
-                self._stall = (timeout, source)
-            return
-        self._stall = (timeout, source)
+        if self._stall is None or timeout < self._stall[0]:
+            self._stall = (timeout, source, abort)
+        self._start_watching()
 
-        def watch():
-            while not self._closed:
-                timeout, source = self._stall
-                time.sleep(min(1.0, timeout / 10))
-                h = self._running
-                idle = monotonic() - self.last_progress
-                if h is None or idle < timeout or h is not self._running:
-                    continue
+    def watch_departures(self, departures, abort) -> None:
+        """Abort the job when the running operation waits for a rank that has finished
+        (:mod:`hpcdp.comm.departure`): its notice arrived and the operation made no progress
+        for :data:`~hpcdp.comm.departure.GRACE_S`. The watchdog's thread receives the notices
+        (MPI from a second thread: progress mode "thread" only)."""
+        self._departures = (departures, abort)
+        self._start_watching()
+
+    def _start_watching(self) -> None:
+        if not self._watching:
+            self._watching = True
+            threading.Thread(target=self._watch, name="hpcdp-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        from .departure import GRACE_S
+        while not self._closed:
+            stall, departures = self._stall, self._departures
+            time.sleep(min(GRACE_S / 2, stall[0] / 10) if stall else GRACE_S / 2)
+            if self._closed:
+                return
+            h = self._running
+            if departures is not None:
+                gone = departures[0].poll()
+                if gone and h is not None and h is self._running:
+                    message = self._describe_departure(h, departures[0], GRACE_S)
+                    if message is not None:
+                        departures[1](message)
+                        return
+            if stall is None or h is None or h is not self._running:
+                continue
+            idle = monotonic() - self.last_progress
+            if idle >= stall[0]:
+                timeout, source, abort = stall
                 abort(self.describe_stall(h, idle, timeout, source))
                 return
 
-        threading.Thread(target=watch, name="hpcdp-watchdog", daemon=True).start()
+    def _describe_departure(self, h: Handle, departures, grace: float):
+        """The error for ``h`` if it waits for a rank that finished, else None."""
+        if monotonic() - self.last_progress < grace:
+            return None
+        blocking = departures.blocking((h.where or {}).get("members"))
+        return departures.describe(blocking[0], h.name, h.seq) if blocking else None
 
     def describe_stall(self, h: Handle, idle: float, timeout: float,
                        source: str = "HPCDP_STALL_TIMEOUT") -> str:

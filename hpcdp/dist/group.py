@@ -41,6 +41,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         self.rt, self.comm = rt, comm
         self.p2p = comm.Dup()
         self.whole = global_ranks is None  # the job's ranks in the job's order
+        self.ranks = None if self.whole else list(global_ranks)  # group rank -> the job's
         self.label = "" if self.whole else f" [group of ranks {rank_ranges(sorted(global_ranks))}]"
         self._tags = itertools.count()
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
@@ -68,9 +69,17 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
 
     # -- helpers ------------------------------------------------------------------------
     def _ctx(self) -> OpContext:
-        """A new operation's context: this group's communicator and next tag."""
-        return OpContext(self.comm, self.rt.MPI, next(self._tags) % 32000 + 1,
-                         yield_cpu=self.rt.engine.yield_cpu, rank=self._rank, size=self._size)
+        """A new operation's context: this group's communicator and next tag (a sub-group's
+        tells the watchdog its members: a rank outside it may finish before its calls end)."""
+        ctx = OpContext(self.comm, self.rt.MPI, next(self._tags) % 32000 + 1,
+                        yield_cpu=self.rt.engine.yield_cpu, rank=self._rank, size=self._size)
+        if self.ranks is not None:
+            ctx.where["members"] = self.ranks
+        return ctx
+
+    def _peer(self, r: int, phase: str) -> dict:
+        """What the watchdog reads for a message to or from group rank ``r``."""
+        return {"phase": phase, "peer": r, "members": [r if self.ranks is None else self.ranks[r]]}
 
     def _submit(self, call: str, staged, value, where: dict, *steps, opts=None, nbytes=None):
         """Queue ``steps`` (generators, run one after the other) then the staged copies back.
@@ -267,7 +276,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         t = _one(tensors, "send", self._rank)
         h = t.detach().contiguous().cpu()  # (a copy of a CUDA tensor, made now)
         req = self.p2p.Isend([ops.as_bytes(h), self.rt.MPI.BYTE], dst, tag)
-        return self._submit("send", ops.Staged(), tensors, {"phase": f"send to rank {dst}", "peer": dst},
+        return self._submit("send", ops.Staged(), tensors, self._peer(dst, f"send to rank {dst}"),
                             _wait(req, h))
 
     def recv(self, tensors, src: int, tag: int):
@@ -275,7 +284,7 @@ class ProcessGroupHpcdp(dist.ProcessGroup):
         staged = ops.Staged()
         h = staged.host(t)
         req = self.p2p.Irecv([ops.as_bytes(h), self.rt.MPI.BYTE], src, tag)
-        return self._submit("recv", staged, tensors, {"phase": f"recv from rank {src}", "peer": src},
+        return self._submit("recv", staged, tensors, self._peer(src, f"recv from rank {src}"),
                             _wait(req))
 
     def recv_anysource(self, tensors, tag: int):

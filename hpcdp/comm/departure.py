@@ -1,0 +1,91 @@
+"""A rank that finished tells the ranks still running, so that an operation waiting for it
+fails within seconds, naming it, instead of at the stall timeout (ten minutes by default).
+
+The usual cause is ranks with different numbers of batches outside ``join()``: one rank's
+loop ends, its script exits, and the others wait in the next step's allreduce for a rank
+that will never come. Per rank, on :class:`Departures`' own communicator (so no other
+message matches its notices):
+
+1. At :func:`hpcdp.finalize` (which runs at exit) :meth:`Departures.leave` starts an
+   ``MPI_Ibarrier``. When every rank arrives within ``grace`` seconds (a job whose ranks
+   end together), no notice is sent.
+2. Otherwise the rank sends every other rank a notice: its host, the number of operations
+   it ran and the last one's name. Then it waits in the barrier.
+3. The stall watchdog's thread of a rank still running receives notices
+   (:meth:`Departures.poll`). An operation that involves a rank that finished and has
+   made no progress for ``grace`` seconds ends the job (``MPI_Abort``) with a message
+   naming both ranks, their operation counts and the fix (:meth:`Departures.blocking`).
+   An operation of a sub-group without that rank goes on.
+4. Once every rank is in the barrier, one allreduce counts the ranks that sent notices and
+   every rank receives the notices still addressed to it: none is left unmatched when MPI
+   is finalised.
+
+A rank that computes alone after the others finished (rank 0 writing a checkpoint) is not
+disturbed: notices only fail operations that wait for a rank that left.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+__all__ = ["GRACE_S", "Departures"]
+
+GRACE_S = 1.0  #: how long a finishing rank waits for the others before telling them
+_TAG = 1
+
+
+class Departures:
+    """The notices of ranks that finished (see the module docstring). ``comm``: a
+    communicator of its own (a duplicate of the job's)."""
+
+    def __init__(self, comm, MPI, hostname: str):
+        self.comm, self.MPI = comm, MPI
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.hostname = hostname
+        self.gone: dict[int, tuple] = {}   # rank -> (host, operations run, last operation)
+        self._lock = threading.Lock()      # (the watchdog's thread and leave() receive)
+
+    def poll(self) -> dict:
+        """Receive the notices that have arrived; the ranks that finished, so far."""
+        with self._lock:
+            status = self.MPI.Status()
+            while self.comm.Iprobe(self.MPI.ANY_SOURCE, _TAG, status):
+                self.gone[status.Get_source()] = self.comm.recv(source=status.Get_source(), tag=_TAG)
+        return self.gone
+
+    def blocking(self, members) -> list[int]:
+        """The ranks that finished among ``members`` (None: every rank)."""
+        if not self.gone:
+            return []
+        return sorted(r for r in self.gone if members is None or r in members)
+
+    def describe(self, rank_gone: int, name: str, seq: int) -> str:
+        host, ops, last = self.gone[rank_gone]
+        ran = f"{ops} operation{'s' if ops != 1 else ''}" + (f", the last {last}" if last else "")
+        return (f"rank {self.rank}/{self.size}: {name} (operation #{seq}) waits for rank "
+                f"{rank_gone}, which has finished (its script ended, on {host}) after {ran}. "
+                "The ranks ran different numbers of steps or collectives: with uneven inputs, "
+                "train inside `with model.join():` (hpcdp.DistributedDataParallel), or give "
+                "every rank the same number of batches. Aborting the job.")
+
+    def leave(self, ops: int, last: str | None, grace: float = GRACE_S) -> None:
+        """Collective: the end of this rank's communication (see the module docstring)."""
+        MPI, comm = self.MPI, self.comm
+        barrier = comm.Ibarrier()
+        deadline = time.monotonic() + grace
+        while not barrier.Test() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        notices = []
+        if not barrier.Test():
+            notice = (self.hostname, ops, last)
+            notices = [comm.isend(notice, r, _TAG) for r in range(self.size) if r != self.rank]
+            barrier.Wait()
+        senders = comm.allreduce(1 if notices else 0, op=MPI.SUM)
+        expected = senders - (1 if notices else 0)
+        with self._lock:
+            # (received here, or by poll() before; the ranks that sent are distinct)
+            while len(self.gone) < expected:
+                status = MPI.Status()
+                notice = comm.recv(source=MPI.ANY_SOURCE, tag=_TAG, status=status)
+                self.gone[status.Get_source()] = notice
+        MPI.Request.Waitall(notices)
