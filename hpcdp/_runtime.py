@@ -636,12 +636,15 @@ def finalize() -> None:
 def _say_before_abort(rt: _Runtime, text: str) -> None:
     """Write ``text`` (naming this rank) to stderr in time for the launcher to forward it:
     MPI_Abort kills every rank and the launcher's I/O forwarding with them, and a message
-    still in the pipe is lost (seen once in CI: a stall abort whose job printed nothing)."""
+    still in the pipe is lost (seen once in CI: a stall abort whose job printed nothing).
+    Then write what this rank's traces hold: their last steps show where it failed."""
     # (the process's own stderr: torch.distributed's excepthook calls ours with sys.stderr
     # swapped for a StringIO, which the abort would lose)
     err = sys.__stderr__ or sys.stderr
     err.write(f"[hpcdp rank {rt.rank}/{rt.size} on {rt.hostname}] {text}")
     err.flush()
+    if "hpcdp.trace.recorder" in sys.modules:  # this rank's trace up to the failure
+        sys.modules["hpcdp.trace.recorder"].flush_open()
     if rt.size > 1:
         time.sleep(0.5)
 

@@ -72,6 +72,7 @@ class CallTracer:
         self.closed = False
         self._hooks = [register_optimizer_step_pre_hook(self._optimizer_starts),
                        register_optimizer_step_post_hook(self._optimizer_ends)]
+        rec.before_abort(self._settle)
 
     def start(self, name: str, nbytes: int) -> tuple:
         """At a call: what :meth:`end` records (the time, the step, the call's number in it)."""
@@ -103,6 +104,11 @@ class CallTracer:
                 return
             self._opt_t1 = self.now()
             self.rec.span(_OPTIMIZER, self._opt_t0, self._opt_t1, self.step)
+
+    def _settle(self) -> None:
+        """Before an abort's flush: end a step whose optimizer stepped."""
+        with self._lock:
+            self._end_stepped()
 
     def _end_stepped(self) -> None:
         """End the open step where its last optimizer step ended, if one did (under the lock)."""

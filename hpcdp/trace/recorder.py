@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from importlib import metadata
 
 import h5py
@@ -34,7 +35,7 @@ from .clock import ClockSample, align_clocks
 from .format import (BUCKET_DTYPE, CLOCK_DTYPE, COMMIT_FIELDS, EVENT_DTYPE, FORMAT_NAME,
                      FORMAT_VERSION, EventKind, TraceError, parse_rank_filename, rank_filename)
 
-__all__ = ["Recorder", "NullRecorder", "open_recorder"]
+__all__ = ["Recorder", "NullRecorder", "open_recorder", "flush_open"]
 
 # Buffer columns, in this order (the hot methods index them by literal offsets):
 _COLS = ("kind", "step", "bucket", "index", "t0", "t1", "nbytes", "bytes_sent", "bytes_recv", "codec")
@@ -43,6 +44,7 @@ _EMPTY_ROW = np.array([0, 0, -1, -1, 0, 0, 0, 0, 0, 0], dtype=np.int64)
 
 _CHUNK_ROWS = 1024  # a flush recompresses the last, partial chunk: keep it small
 _OPEN: set[str] = set()  # this process's trace files being written
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # their recorders (flushed before an abort)
 _MAX_CODECS = 256  # codec ids are stored as uint8
 
 
@@ -70,6 +72,25 @@ def _check_settings(rank, world_size, level, flush_every, flush_interval, capaci
         raise ValueError(f"flush_interval must be >= 0, got {flush_interval}")
 
 
+def flush_open(timeout: float = 5.0) -> None:
+    """Write what every recorder of this process still holds, before the job is aborted
+    (MPI_Abort ends the process without ``atexit``): on a thread of its own, waited for at
+    most ``timeout`` seconds, so that a recorder held by a stuck thread cannot keep the
+    abort from happening. Errors are ignored: the job is ending for another reason."""
+    def flush_all():
+        for rec in list(_LIVE):
+            try:
+                if not rec._closed:
+                    for settle in rec._settle:
+                        settle()
+                    rec.flush()
+            except Exception:  # noqa: BLE001 (the abort's message matters, not this)
+                pass
+    t = threading.Thread(target=flush_all, name="hpcdp-trace-flush", daemon=True)
+    t.start()
+    t.join(timeout)
+
+
 class Recorder:
     """Records one rank's events into ``directory/rankNNNNN.h5``.
 
@@ -92,7 +113,7 @@ class Recorder:
                  "_clock_rows", "_n_clock", "_meta", "_codecs", "_calls", "_meta_json",
                  "_meta_dirty",
                  "_buckets", "_buckets_dirty", "_closed", "_file", "_events", "_clock",
-                 "_bucket_ds", "_meta_ds", "_commit")
+                 "_bucket_ds", "_meta_ds", "_commit", "_settle", "__weakref__")
     enabled = True
     now = staticmethod(time.perf_counter_ns)
 
@@ -128,8 +149,10 @@ class Recorder:
         self._buckets = np.zeros(0, dtype=BUCKET_DTYPE)
         self._buckets_dirty = False
         self._closed = False
+        self._settle: list = []
         self._create(directory, flush_interval)
         _OPEN.add(os.path.abspath(self.path))
+        _LIVE.add(self)
         self.flush()
 
     def _create(self, directory, flush_interval: float) -> None:
@@ -316,6 +339,11 @@ class Recorder:
         with self._lock:
             self._clock_rows.append((sample.local_ns, sample.offset_ns, sample.rtt_ns, sample.rounds))
 
+    def before_abort(self, settle) -> None:
+        """Call ``settle()`` before :func:`flush_open` writes this recorder as the job is
+        aborted (a tracer records the step it holds open)."""
+        self._settle.append(settle)
+
     # ---- file -----------------------------------------------------------------
     def flush(self) -> None:
         """Write everything recorded so far and commit it."""
@@ -412,6 +440,9 @@ class NullRecorder:
         pass
 
     def call(self, t0, t1, step, number, call, nbytes, bytes_sent=0, bytes_recv=0) -> None:
+        pass
+
+    def before_abort(self, settle) -> None:
         pass
 
     def step(self, t0, t1, step) -> None:

@@ -579,3 +579,40 @@ def test_cli_plots(run, tmp_path):
     png = tmp_path / "scaling.png"
     assert main(["scaling", run, run, "-o", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- an aborted job ---------------------------------------------------------------
+
+ABORTED = """
+import sys, torch, hpcdp
+hpcdp.init()
+torch.manual_seed(0)
+ddp = hpcdp.DistributedDataParallel(torch.nn.Linear(8, 2), trace=sys.argv[1])
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+for step in range(6):
+    if step == 4 and hpcdp.rank() == 1:
+        if sys.argv[2] == "exception":
+            raise RuntimeError("boom on purpose")
+        break    # 'finished': rank 1 runs out of batches, rank 0 waits for it
+    opt.zero_grad()
+    ddp(torch.randn(4, 8)).sum().backward()
+    opt.step()
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how, aborting", [("exception", 1), ("finished", 0)])
+def test_the_rank_that_aborts_the_job_writes_its_trace_first(tmp_path, how, aborting):
+    """MPI_Abort ends every process without atexit: the rank that aborts (the one that
+    raised, or the one left waiting for a rank that finished) writes its trace first, so
+    its completed steps are in the file (default flushing would have written none of the
+    four: every 10 steps)."""
+    from launch import run_mpi
+    run = str(tmp_path / "run")
+    p = run_mpi(2, ["-c", ABORTED, run, how], timeout=100, env={"HPCDP_STALL_TIMEOUT": "120"})
+    assert p.returncode != 0 and f"[hpcdp rank {aborting}/2" in p.stderr, p.stderr
+    r = load(run).rank(aborting)
+    assert r.of_kind(K.STEP)["step"].tolist() == [0, 1, 2, 3]
+    assert r.of_kind(K.OPTIMIZER)["step"].tolist() == [0, 1, 2, 3]
+    if how == "finished":  # the step it waited in: its forward, backward, and the transfer
+        assert r.of_kind(K.BACKWARD)["step"].tolist() == [0, 1, 2, 3, 4]
