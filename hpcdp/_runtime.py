@@ -489,6 +489,7 @@ def init(comm=None) -> None:
             watch_stalls(_rt, timeout)
         if _rt.departures is not None and _rt.engine.mode == "thread":
             rt = _rt
+            rt.departures.on_abort = _write_traces
             rt.engine.watch_departures(rt.departures, lambda msg: _abort(rt, "a rank finished", msg))
 
 
@@ -643,10 +644,19 @@ def _say_before_abort(rt: _Runtime, text: str) -> None:
     err = sys.__stderr__ or sys.stderr
     err.write(f"[hpcdp rank {rt.rank}/{rt.size} on {rt.hostname}] {text}")
     err.flush()
-    if "hpcdp.trace.recorder" in sys.modules:  # this rank's trace up to the failure
-        sys.modules["hpcdp.trace.recorder"].flush_open()
+    reason = text.strip().splitlines()[-1] if text.strip() else "aborted"
+    if rt.departures is not None:  # the other ranks write their traces too
+        rt.departures.announce_abort(reason)
+    _write_traces(rt.rank, reason)
     if rt.size > 1:
-        time.sleep(0.5)
+        time.sleep(1.0)
+
+
+def _write_traces(rank: int, reason: str) -> None:
+    """Write what this process's traces hold, noting that rank ``rank`` aborts the job
+    because of ``reason`` (before MPI_Abort, which skips ``atexit``)."""
+    if "hpcdp.trace.recorder" in sys.modules:  # (no trace was opened otherwise)
+        sys.modules["hpcdp.trace.recorder"].flush_open({"rank": rank, "reason": reason})
 
 
 def _abort(rt: _Runtime, what: str, message: str) -> None:

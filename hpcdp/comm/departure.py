@@ -1,5 +1,6 @@
 """A rank that finished tells the ranks still running, so that an operation waiting for it
-fails within seconds, naming it, instead of at the stall timeout (ten minutes by default).
+fails within seconds, naming it, instead of at the stall timeout (ten minutes by default);
+a rank that aborts the job tells them first, so that they write their traces.
 
 The usual cause is ranks with different numbers of batches outside ``join()``: one rank's
 loop ends, its script exits, and the others wait in the next step's allreduce for a rank
@@ -22,6 +23,10 @@ message matches its notices):
 
 A rank that computes alone after the others finished (rank 0 writing a checkpoint) is not
 disturbed: notices only fail operations that wait for a rank that left.
+
+Before ``MPI_Abort`` (an uncaught exception, a stall, a rank that finished) the aborting rank
+sends every other rank an abort notice (:meth:`Departures.announce_abort`); their watchdog
+threads call ``on_abort`` with it (the runtime writes their traces) within half a second.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ __all__ = ["GRACE_S", "Departures"]
 
 GRACE_S = 1.0  #: how long a finishing rank waits for the others before telling them
 _TAG = 1
+_ABORT_TAG = 2
 
 
 class Departures:
@@ -43,15 +49,29 @@ class Departures:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.hostname = hostname
         self.gone: dict[int, tuple] = {}   # rank -> (host, operations run, last operation)
+        self.on_abort = None               # called with (rank, reason) of an abort notice
+        self._told = []                    # the abort notices sent (kept until the abort)
         self._lock = threading.Lock()      # (the watchdog's thread and leave() receive)
 
     def poll(self) -> dict:
-        """Receive the notices that have arrived; the ranks that finished, so far."""
+        """Receive the notices that have arrived (an abort's: ``on_abort`` is called); the
+        ranks that finished, so far."""
         with self._lock:
             status = self.MPI.Status()
             while self.comm.Iprobe(self.MPI.ANY_SOURCE, _TAG, status):
                 self.gone[status.Get_source()] = self.comm.recv(source=status.Get_source(), tag=_TAG)
+            aborting = None
+            if self.comm.Iprobe(self.MPI.ANY_SOURCE, _ABORT_TAG, status):
+                aborting = (status.Get_source(),
+                            self.comm.recv(source=status.Get_source(), tag=_ABORT_TAG))
+        if aborting is not None and self.on_abort is not None:
+            self.on_abort(*aborting)
         return self.gone
+
+    def announce_abort(self, reason: str) -> None:
+        """Tell every other rank that this one aborts the job, and why (not waited for:
+        ``MPI_Abort`` follows)."""
+        self._told = [self.comm.isend(reason, r, _ABORT_TAG) for r in range(self.size) if r != self.rank]
 
     def blocking(self, members) -> list[int]:
         """The ranks that finished among ``members`` (None: every rank)."""

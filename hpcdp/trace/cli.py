@@ -80,6 +80,9 @@ def _summary(args) -> int:
     problems = trace.check()
     if problems:
         notes.append(f"{len(problems)} consistency problem(s), first: " + "; ".join(problems[:5]))
+    aborted = next((r.meta["aborted"] for r in trace.ranks if "aborted" in r.meta), None)
+    if aborted is not None:
+        notes.append(f"rank {aborted['rank']} aborted the job: {aborted['reason']}")
     for n in notes:
         print("note: " + n)
     return 0

@@ -72,17 +72,19 @@ def _check_settings(rank, world_size, level, flush_every, flush_interval, capaci
         raise ValueError(f"flush_interval must be >= 0, got {flush_interval}")
 
 
-def flush_open(timeout: float = 5.0) -> None:
+def flush_open(aborted: dict, timeout: float = 5.0) -> None:
     """Write what every recorder of this process still holds, before the job is aborted
-    (MPI_Abort ends the process without ``atexit``): on a thread of its own, waited for at
-    most ``timeout`` seconds, so that a recorder held by a stuck thread cannot keep the
-    abort from happening. Errors are ignored: the job is ending for another reason."""
+    (MPI_Abort ends the process without ``atexit``), with ``aborted`` (which rank ends the
+    job, and why) in the run metadata: on a thread of its own, waited for at most
+    ``timeout`` seconds, so that a recorder held by a stuck thread cannot keep the abort
+    from happening. Errors are ignored: the job is ending for another reason."""
     def flush_all():
         for rec in list(_LIVE):
             try:
                 if not rec._closed:
                     for settle in rec._settle:
                         settle()
+                    rec.set_meta(aborted=aborted)
                     rec.flush()
             except Exception:  # noqa: BLE001 (the abort's message matters, not this)
                 pass

@@ -602,17 +602,26 @@ for step in range(6):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how, aborting", [("exception", 1), ("finished", 0)])
-def test_the_rank_that_aborts_the_job_writes_its_trace_first(tmp_path, how, aborting):
+def test_every_rank_writes_its_trace_before_the_job_is_aborted(tmp_path, capsys, how, aborting):
     """MPI_Abort ends every process without atexit: the rank that aborts (the one that
-    raised, or the one left waiting for a rank that finished) writes its trace first, so
-    its completed steps are in the file (default flushing would have written none of the
-    four: every 10 steps)."""
+    raised, or the one left waiting for a rank that finished) tells the other ranks, and
+    every rank writes its trace first, with the reason in its metadata, so the completed
+    steps are in the files (default flushing would have written none of the four: every
+    10 steps) and the summary says who ended the job and why."""
     from launch import run_mpi
     run = str(tmp_path / "run")
     p = run_mpi(2, ["-c", ABORTED, run, how], timeout=100, env={"HPCDP_STALL_TIMEOUT": "120"})
     assert p.returncode != 0 and f"[hpcdp rank {aborting}/2" in p.stderr, p.stderr
-    r = load(run).rank(aborting)
-    assert r.of_kind(K.STEP)["step"].tolist() == [0, 1, 2, 3]
-    assert r.of_kind(K.OPTIMIZER)["step"].tolist() == [0, 1, 2, 3]
-    if how == "finished":  # the step it waited in: its forward, backward, and the transfer
-        assert r.of_kind(K.BACKWARD)["step"].tolist() == [0, 1, 2, 3, 4]
+    t = load(run)
+    reason = "RuntimeError: boom on purpose" if how == "exception" else "waits for rank 1, which has finished"
+    for r in t.ranks:
+        assert r.of_kind(K.STEP)["step"].tolist()[:4] == [0, 1, 2, 3], f"rank {r.rank}"
+        assert r.of_kind(K.OPTIMIZER)["step"].tolist()[:4] == [0, 1, 2, 3], f"rank {r.rank}"
+        if how == "finished" and r.rank == 1:  # it ended normally: its file closed at exit
+            assert r.complete and "aborted" not in r.meta
+        else:  # (the other rank wrote its trace when the abort's notice came)
+            assert r.meta["aborted"]["rank"] == aborting and reason in r.meta["aborted"]["reason"]
+    if how == "finished":  # the step rank 0 waited in: its forward, backward, and the transfer
+        assert t.rank(0).of_kind(K.BACKWARD)["step"].tolist() == [0, 1, 2, 3, 4]
+    assert main(["summary", run]) == 0
+    assert f"note: rank {aborting} aborted the job: " in capsys.readouterr().out
