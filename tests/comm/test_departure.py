@@ -20,7 +20,7 @@ for step in range(steps):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("np_, algo", [(2, "ring"), (3, "shm"), (3, "ring")])
+@pytest.mark.parametrize("np_, algo", [(2, "ring"), (3, "shm")])
 def test_a_rank_that_ran_out_of_batches_ends_the_job_naming_it(np_, algo):
     t0 = time.monotonic()
     p = run_mpi(np_, ["-c", UNEVEN.replace("{algo}", algo)], timeout=100, env=STALL)
@@ -43,11 +43,10 @@ print(f"rank {hpcdp.rank()} ends", flush=True)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("np_", [2, 3])
-def test_ranks_finishing_while_one_still_computes_alone_end_cleanly(np_):
-    p = run_mpi(np_, ["-c", ALONE], timeout=100, env=STALL)
+def test_ranks_finishing_while_one_still_computes_alone_end_cleanly():
+    p = run_mpi(3, ["-c", ALONE], timeout=100, env=STALL)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert sorted(p.stdout.split("\n")[:-1]) == [f"rank {r} ends" for r in range(np_)]
+    assert sorted(p.stdout.split("\n")[:-1]) == [f"rank {r} ends" for r in range(3)]
     assert "finished" not in p.stderr, p.stderr
 
 
