@@ -10,16 +10,19 @@ message matches its notices):
 1. At :func:`hpcdp.finalize` (which runs at exit) :meth:`Departures.leave` starts an
    ``MPI_Ibarrier``. When every rank arrives within ``grace`` seconds (a job whose ranks
    end together), no notice is sent.
-2. Otherwise the rank sends every other rank a notice: its host, the number of operations
-   it ran and the last one's name. Then it waits in the barrier.
+2. Otherwise the rank sends a notice to its two neighbours in rank order (``rank - 1`` and
+   ``rank + 1``, modulo the ranks): its host, the number of operations it ran and the last
+   one's name. Then it waits in the barrier. Where some ranks finished and others wait,
+   some finished rank is a waiting rank's neighbour, and one waiting rank is enough to end
+   the job; so a job ends with two notices per finished rank, not one per pair of ranks.
 3. The stall watchdog's thread of a rank still running receives notices
    (:meth:`Departures.poll`). An operation that involves a rank that finished and has
    made no progress for ``grace`` seconds ends the job (``MPI_Abort``) with a message
    naming both ranks, their operation counts and the fix (:meth:`Departures.blocking`).
    An operation of a sub-group without that rank goes on.
-4. Once every rank is in the barrier, one allreduce counts the ranks that sent notices and
-   every rank receives the notices still addressed to it: none is left unmatched when MPI
-   is finalised.
+4. Once every rank is in the barrier, one allgather tells which ranks sent notices, and
+   every rank receives those still addressed to it: none is left unmatched when MPI is
+   finalised.
 
 A rank that computes alone after the others finished (rank 0 writing a checkpoint) is not
 disturbed: notices only fail operations that wait for a rank that left.
@@ -96,16 +99,14 @@ class Departures:
         while not barrier.Test() and time.monotonic() < deadline:
             time.sleep(0.002)
         notices = []
+        neighbours = sorted({(self.rank - 1) % self.size, (self.rank + 1) % self.size} - {self.rank})
         if not barrier.Test():
             notice = (self.hostname, ops, last)
-            notices = [comm.isend(notice, r, _TAG) for r in range(self.size) if r != self.rank]
+            notices = [comm.isend(notice, r, _TAG) for r in neighbours]
             barrier.Wait()
-        senders = comm.allreduce(1 if notices else 0, op=MPI.SUM)
-        expected = senders - (1 if notices else 0)
-        with self._lock:
-            # (received here, or by poll() before; the ranks that sent are distinct)
-            while len(self.gone) < expected:
-                status = MPI.Status()
-                notice = comm.recv(source=MPI.ANY_SOURCE, tag=_TAG, status=status)
-                self.gone[status.Get_source()] = notice
+        sent = comm.allgather(bool(notices))
+        with self._lock:  # (those that poll() has not received yet)
+            for r in neighbours:
+                if sent[r] and r not in self.gone:
+                    self.gone[r] = comm.recv(source=r, tag=_TAG)
         MPI.Request.Waitall(notices)
