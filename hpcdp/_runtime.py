@@ -490,6 +490,7 @@ def init(comm=None) -> None:
         if _rt.departures is not None and _rt.engine.mode == "thread":
             rt = _rt
             rt.departures.on_abort = _write_traces
+            rt.departures.state = rt.engine.state
             rt.engine.watch_departures(rt.departures, lambda msg: _abort(rt, "a rank finished", msg))
 
 

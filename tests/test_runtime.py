@@ -90,6 +90,25 @@ def test_stalled_peer_aborts_the_job_naming_it():
     assert "no progress for" in p.stderr and "allreduce(bucket7)" in p.stderr
     assert "scatter-reduce step 0, waiting for a message from rank 1" in p.stderr
     assert "HPCDP_STALL_TIMEOUT=3" in p.stderr
+    # asked, rank 1's watchdog thread says what it is doing
+    assert "Asked: rank 1 is in no hpcdp operation (0 run; none for " in p.stderr, p.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_stall_between_different_collectives_says_what_the_other_rank_is_in():
+    """Rank 1 broadcasts where rank 0 reduces (no argument check): asked, each names the
+    other's collective and says the ranks call them in different orders."""
+    code = ("import hpcdp, numpy as np; hpcdp.init()\n"
+            "x = np.ones(1000)\n"
+            "if hpcdp.rank() == 1:\n"
+            "    hpcdp.broadcast(x, name='params')\n"
+            "else:\n"
+            "    hpcdp.allreduce(x, name='bucket0', check=False, algo='ring')\n")
+    p = run_mpi(2, ["-c", code], timeout=90, env={"HPCDP_STALL_TIMEOUT": "3"})
+    assert p.returncode != 0
+    said = ("rank 1 is in broadcast(params) (#1)", "rank 0 is in allreduce(bucket0) (#1)")
+    assert any(s in p.stderr for s in said), p.stderr
+    assert "(another collective: the ranks call them in different orders)" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("wait", ["spin", "yield"])

@@ -30,6 +30,10 @@ disturbed: notices only fail operations that wait for a rank that left.
 Before ``MPI_Abort`` (an uncaught exception, a stall, a rank that finished) the aborting rank
 sends every other rank an abort notice (:meth:`Departures.announce_abort`); their watchdog
 threads call ``on_abort`` with it (the runtime writes their traces) within half a second.
+
+A rank whose operation stalls asks the ranks it waits for what they are doing
+(:meth:`Departures.ask`); their watchdog threads answer with ``state()`` (the operation
+they are in, or the time since their last one), and the stall's message says it.
 """
 from __future__ import annotations
 
@@ -41,6 +45,8 @@ __all__ = ["GRACE_S", "Departures"]
 GRACE_S = 1.0  #: how long a finishing rank waits for the others before telling them
 _TAG = 1
 _ABORT_TAG = 2
+_QUERY_TAG, _REPLY_TAG = 3, 4
+ASK_S = 2.0  #: how long a stalled rank waits for the answers of the ranks it asks
 
 
 class Departures:
@@ -53,7 +59,9 @@ class Departures:
         self.hostname = hostname
         self.gone: dict[int, tuple] = {}   # rank -> (host, operations run, last operation)
         self.on_abort = None               # called with (rank, reason) of an abort notice
+        self.state = lambda: None          # what this rank is doing, for a stalled peer
         self._told = []                    # the abort notices sent (kept until the abort)
+        self._sent = []                    # answers and questions in flight
         self._lock = threading.Lock()      # (the watchdog's thread and leave() receive)
 
     def poll(self) -> dict:
@@ -63,6 +71,7 @@ class Departures:
             status = self.MPI.Status()
             while self.comm.Iprobe(self.MPI.ANY_SOURCE, _TAG, status):
                 self.gone[status.Get_source()] = self.comm.recv(source=status.Get_source(), tag=_TAG)
+            self._answer(status)
             aborting = None
             if self.comm.Iprobe(self.MPI.ANY_SOURCE, _ABORT_TAG, status):
                 aborting = (status.Get_source(),
@@ -70,6 +79,30 @@ class Departures:
         if aborting is not None and self.on_abort is not None:
             self.on_abort(*aborting)
         return self.gone
+
+    def _answer(self, status) -> None:
+        """Answer the stalled ranks' questions (under the lock)."""
+        self._sent = [r for r in self._sent if not r.Test()]
+        while self.comm.Iprobe(self.MPI.ANY_SOURCE, _QUERY_TAG, status):
+            asker = status.Get_source()
+            self.comm.recv(source=asker, tag=_QUERY_TAG)
+            self._sent.append(self.comm.isend(self.state(), asker, _REPLY_TAG))
+
+    def ask(self, ranks, timeout: float = ASK_S) -> dict:
+        """What each of ``ranks`` is doing: its ``state()``, as it answered within ``timeout``
+        seconds (a rank missing from the result did not answer)."""
+        status, answers = self.MPI.Status(), {}
+        with self._lock:
+            self._sent += [self.comm.isend(None, r, _QUERY_TAG) for r in ranks]
+        deadline = time.monotonic() + timeout
+        while len(answers) < len(ranks) and time.monotonic() < deadline:
+            with self._lock:
+                self._answer(status)  # (a rank asking this one at the same time)
+                while self.comm.Iprobe(self.MPI.ANY_SOURCE, _REPLY_TAG, status):
+                    answers[status.Get_source()] = self.comm.recv(source=status.Get_source(),
+                                                                  tag=_REPLY_TAG)
+            time.sleep(0.01)
+        return answers
 
     def announce_abort(self, reason: str) -> None:
         """Tell every other rank that this one aborts the job, and why (not waited for:

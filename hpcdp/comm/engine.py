@@ -420,9 +420,37 @@ class Engine:
                    "different collective?)" if peer is not None else
                    f"one or more of ranks {rank_ranges(others)} did not arrive (did one die, or run "
                    "out of batches?)")
+        asked = self._ask_peers(h, _suspects(where, peer, late, others, rank))
         return (f"rank {rank}/{size}: no progress for {idle:.1f} s in {h.name} (#{h.seq}), {stage}, "
-                f"{waiting}{more}. {missing}. Ranks with different numbers of batches: see "
+                f"{waiting}{more}. {missing}.{asked} Ranks with different numbers of batches: see "
                 f"DistributedDataParallel.join(). Aborting the job ({source}={timeout:g}).")
+
+    def state(self) -> tuple:
+        """What this rank is doing, for a stalled peer's message: ``("op", name, number,
+        seconds without progress)`` or ``("idle", operations run, the last one's name,
+        seconds since the last progress)``."""
+        h, idle = self._running, monotonic() - self.last_progress
+        return ("op", h.name, h.seq, idle) if h is not None else ("idle", self._seq, self.last_name, idle)
+
+    def _ask_peers(self, h: Handle, ranks: list) -> str:
+        """`` What they are doing: ...`` as ``ranks`` answer (nothing without departures)."""
+        if self._departures is None or not ranks:
+            return ""
+        answers = self._departures[0].ask(ranks)
+        said = []
+        for r in ranks:
+            a = answers.get(r)
+            if a is None:
+                said.append(f"rank {r} did not answer (dead, or stuck where Python cannot run "
+                            "its threads)")
+            elif a[0] == "op":
+                other = "" if a[1] == h.name else " (another collective: the ranks call them in different orders)"
+                said.append(f"rank {r} is in {a[1]} (#{a[2]}), no progress for {a[3]:.1f} s{other}")
+            else:
+                last = f", the last {a[2]}" if a[2] else ""
+                said.append(f"rank {r} is in no hpcdp operation ({a[1]} run{last}; none for "
+                            f"{a[3]:.1f} s): it computes, or waits outside hpcdp")
+        return " Asked: " + "; ".join(said) + "."
 
     def close(self):
         with self._cv:
@@ -431,6 +459,18 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+
+def _suspects(where: dict, peer, late, others: list, rank: int, most: int = 8) -> list:
+    """The job's ranks that a stalled operation waits for, at most ``most`` (``peer`` is the
+    operation's communicator's rank; ``where["members"]``: a sub-group's ranks in the job, or
+    a message's one peer)."""
+    members = where.get("members")
+    if late:
+        return list(late)[:most]
+    if peer is not None:
+        return [members[0] if members and len(members) == 1 else members[peer] if members else peer]
+    return [r for r in (members or others) if r != rank][:most]
 
 
 def as_comm_error(rank: int, name: str, exc: Exception) -> CommError:

@@ -393,7 +393,7 @@ def test_exception_on_one_rank_ends_the_job_naming_it(live, tmp_path, launch):
 
 def check_stall_message(out: str) -> None:
     """Rank 0's stall line: it went on to step 5 and waits in the first reduction step of its
-    only gradient bucket, the ring's, or recursive doubling's or halving's where two_level's
+    only gradient bucket (rank 1, asked what it does, does not answer: it is dead), the ring's, or recursive doubling's or halving's where two_level's
     stage across the two nodes is one of those (the cost model's pick for the bucket's size)."""
     m = re.search(r"^\[hpcdp rank 0/2 on node1\] stall: (.*)$", out, re.M)
     assert m, out
@@ -401,6 +401,8 @@ def check_stall_message(out: str) -> None:
                     r"(scatter-reduce|doubling: reduce|halving: reduce) step 0, waiting for a message "
                     r"from rank 1\. rank 1 is missing or "
                     r"stuck \(did it die, run out of batches, or call a different collective\?\)\. "
+                    r"Asked: rank 1 did not answer \(dead, or stuck where Python cannot run its "
+                    r"threads\)\. "
                     r"Ranks with different numbers of batches: see DistributedDataParallel\.join\(\)\. "
                     r"Aborting the job "
                     r"\(HPCDP_STALL_TIMEOUT=5\)\.$", m[1]), m[1]
