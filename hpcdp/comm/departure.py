@@ -49,6 +49,14 @@ _QUERY_TAG, _REPLY_TAG = 3, 4
 ASK_S = 2.0  #: how long a stalled rank waits for the answers of the ranks it asks
 
 
+def _bounded(fn, timeout: float) -> None:
+    """Run ``fn`` on a daemon thread and wait for it at most ``timeout`` seconds (the job is
+    being aborted: a thread stuck in MPI ends with the process)."""
+    t = threading.Thread(target=fn, name="hpcdp-notices", daemon=True)
+    t.start()
+    t.join(timeout)
+
+
 class Departures:
     """The notices of ranks that finished (see the module docstring). ``comm``: a
     communicator of its own (a duplicate of the job's)."""
@@ -90,11 +98,17 @@ class Departures:
 
     def ask(self, ranks, timeout: float = ASK_S) -> dict:
         """What each of ``ranks`` is doing: its ``state()``, as it answered within ``timeout``
-        seconds (a rank missing from the result did not answer)."""
-        status, answers = self.MPI.Status(), {}
+        seconds (a rank missing from the result did not answer). On a thread of its own: a
+        message to a dead rank can block inside MPI (seen with MPICH over TCP)."""
+        answers = {}
+        _bounded(lambda: self._ask(ranks, answers, time.monotonic() + timeout), timeout + 0.5)
+        return dict(answers)
+
+    def _ask(self, ranks, answers: dict, deadline: float) -> None:
+        status = self.MPI.Status()
+        sent = [self.comm.isend(None, r, _QUERY_TAG) for r in ranks]
         with self._lock:
-            self._sent += [self.comm.isend(None, r, _QUERY_TAG) for r in ranks]
-        deadline = time.monotonic() + timeout
+            self._sent += sent
         while len(answers) < len(ranks) and time.monotonic() < deadline:
             with self._lock:
                 self._answer(status)  # (a rank asking this one at the same time)
@@ -102,12 +116,15 @@ class Departures:
                     answers[status.Get_source()] = self.comm.recv(source=status.Get_source(),
                                                                   tag=_REPLY_TAG)
             time.sleep(0.01)
-        return answers
 
     def announce_abort(self, reason: str) -> None:
         """Tell every other rank that this one aborts the job, and why (not waited for:
-        ``MPI_Abort`` follows)."""
-        self._told = [self.comm.isend(reason, r, _ABORT_TAG) for r in range(self.size) if r != self.rank]
+        ``MPI_Abort`` follows; given up after half a second, as a send to a dead rank can
+        block)."""
+        def tell():
+            self._told = [self.comm.isend(reason, r, _ABORT_TAG) for r in range(self.size)
+                          if r != self.rank]
+        _bounded(tell, 0.5)
 
     def blocking(self, members) -> list[int]:
         """The ranks that finished among ``members`` (None: every rank)."""
