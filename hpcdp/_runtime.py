@@ -630,7 +630,9 @@ def finalize() -> None:
             _rt.engine.close()
             if not _rt.MPI.Is_finalized():
                 if _rt.departures is not None:
-                    _rt.departures.leave(_rt.engine.ops, _rt.engine.last_name)
+                    rt = _rt
+                    rt.departures.leave(rt.engine.ops, rt.engine.last_name, rt.engine.stall_timeout,
+                                        lambda msg: _abort(rt, "stall at exit", msg))
                 _rt.release()
             _rt = None
 
@@ -646,11 +648,11 @@ def _say_before_abort(rt: _Runtime, text: str) -> None:
     err.write(f"[hpcdp rank {rt.rank}/{rt.size} on {rt.hostname}] {text}")
     err.flush()
     reason = text.strip().splitlines()[-1] if text.strip() else "aborted"
+    _write_traces(rt.rank, reason)
     if rt.departures is not None:  # the other ranks write their traces too
         rt.departures.announce_abort(reason)
-    _write_traces(rt.rank, reason)
     if rt.size > 1:
-        time.sleep(1.0)
+        time.sleep(0.5)
 
 
 def _write_traces(rank: int, reason: str) -> None:

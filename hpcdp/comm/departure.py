@@ -29,7 +29,8 @@ disturbed: notices only fail operations that wait for a rank that left.
 
 Before ``MPI_Abort`` (an uncaught exception, a stall, a rank that finished) the aborting rank
 sends every other rank an abort notice (:meth:`Departures.announce_abort`); their watchdog
-threads call ``on_abort`` with it (the runtime writes their traces) within half a second.
+threads call ``on_abort`` with it (the runtime writes their traces) and answer, and the
+aborting rank waits for the answers (at most ``ACK_S`` seconds).
 
 A rank whose operation stalls asks the ranks it waits for what they are doing
 (:meth:`Departures.ask`); their watchdog threads answer with ``state()`` (the operation
@@ -46,15 +47,19 @@ GRACE_S = 1.0  #: how long a finishing rank waits for the others before telling 
 _TAG = 1
 _ABORT_TAG = 2
 _QUERY_TAG, _REPLY_TAG = 3, 4
+_ACK_TAG = 5
+ACK_S = 4.0  #: how long an aborting rank waits for the others to have written their traces
 ASK_S = 2.0  #: how long a stalled rank waits for the answers of the ranks it asks
 
 
-def _bounded(fn, timeout: float) -> None:
-    """Run ``fn`` on a daemon thread and wait for it at most ``timeout`` seconds (the job is
-    being aborted: a thread stuck in MPI ends with the process)."""
+def _bounded(fn, timeout: float) -> bool:
+    """Run ``fn`` on a daemon thread and wait for it at most ``timeout`` seconds; False when it
+    has not returned. A send to a dead rank can block inside MPI, holding MPI's lock (seen
+    with MPICH over TCP): after that, only ``MPI_Abort`` still works."""
     t = threading.Thread(target=fn, name="hpcdp-notices", daemon=True)
     t.start()
     t.join(timeout)
+    return not t.is_alive()
 
 
 class Departures:
@@ -84,8 +89,11 @@ class Departures:
             if self.comm.Iprobe(self.MPI.ANY_SOURCE, _ABORT_TAG, status):
                 aborting = (status.Get_source(),
                             self.comm.recv(source=status.Get_source(), tag=_ABORT_TAG))
-        if aborting is not None and self.on_abort is not None:
-            self.on_abort(*aborting)
+        if aborting is not None:
+            if self.on_abort is not None:
+                self.on_abort(*aborting)
+            with self._lock:  # (the aborting rank waits for this before MPI_Abort)
+                self._sent.append(self.comm.isend(None, aborting[0], _ACK_TAG))
         return self.gone
 
     def _answer(self, status) -> None:
@@ -98,15 +106,18 @@ class Departures:
 
     def ask(self, ranks, timeout: float = ASK_S) -> dict:
         """What each of ``ranks`` is doing: its ``state()``, as it answered within ``timeout``
-        seconds (a rank missing from the result did not answer). On a thread of its own: a
-        message to a dead rank can block inside MPI (seen with MPICH over TCP)."""
+        seconds (a rank missing from the result did not answer; where the question to a rank
+        blocked, a dead one, the ranks after it were not asked, and are missing too). On a
+        thread of its own (:func:`_bounded`)."""
         answers = {}
         _bounded(lambda: self._ask(ranks, answers, time.monotonic() + timeout), timeout + 0.5)
         return dict(answers)
 
     def _ask(self, ranks, answers: dict, deadline: float) -> None:
         status = self.MPI.Status()
-        sent = [self.comm.isend(None, r, _QUERY_TAG) for r in ranks]
+        sent = []
+        for r in ranks:
+            sent.append(self.comm.isend(None, r, _QUERY_TAG))
         with self._lock:
             self._sent += sent
         while len(answers) < len(ranks) and time.monotonic() < deadline:
@@ -117,14 +128,24 @@ class Departures:
                                                                   tag=_REPLY_TAG)
             time.sleep(0.01)
 
-    def announce_abort(self, reason: str) -> None:
-        """Tell every other rank that this one aborts the job, and why (not waited for:
-        ``MPI_Abort`` follows; given up after half a second, as a send to a dead rank can
+    def announce_abort(self, reason: str, wait: float = ACK_S) -> None:
+        """Tell every other rank that this one aborts the job, and why, then wait at most
+        ``wait`` seconds for them to say they have written their traces (``MPI_Abort``
+        follows; the sends are given up after half a second, as a send to a dead rank can
         block)."""
         def tell():
             self._told = [self.comm.isend(reason, r, _ABORT_TAG) for r in range(self.size)
                           if r != self.rank]
-        _bounded(tell, 0.5)
+
+        def acknowledged():
+            status, acks, deadline = self.MPI.Status(), set(), time.monotonic() + wait
+            while len(acks) < self.size - 1 and time.monotonic() < deadline:
+                while self.comm.Iprobe(self.MPI.ANY_SOURCE, _ACK_TAG, status):
+                    acks.add(status.Get_source())
+                    self.comm.recv(source=status.Get_source(), tag=_ACK_TAG)
+                time.sleep(0.01)
+        if _bounded(tell, 0.5):
+            _bounded(acknowledged, wait + 0.5)
 
     def blocking(self, members) -> list[int]:
         """The ranks that finished among ``members`` (None: every rank)."""
@@ -141,22 +162,54 @@ class Departures:
                 "train inside `with model.join():` (hpcdp.DistributedDataParallel), or give "
                 "every rank the same number of batches. Aborting the job.")
 
-    def leave(self, ops: int, last: str | None, grace: float = GRACE_S) -> None:
-        """Collective: the end of this rank's communication (see the module docstring)."""
+    def leave(self, ops: int, last: str | None, patience: float | None = None, abort=None,
+              grace: float = GRACE_S) -> None:
+        """Collective: the end of this rank's communication (see the module docstring).
+        While it waits for the others it answers their questions ("finished"); every
+        ``patience`` seconds (the stall timeout; None: never) it asks the others, and a rank
+        that does not answer (dead) makes it call ``abort(message)``."""
         MPI, comm = self.MPI, self.comm
+        t0 = time.monotonic()
+        self.state = lambda: ("finished", ops, last, time.monotonic() - t0)
         barrier = comm.Ibarrier()
-        deadline = time.monotonic() + grace
-        while not barrier.Test() and time.monotonic() < deadline:
-            time.sleep(0.002)
-        notices = []
         neighbours = sorted({(self.rank - 1) % self.size, (self.rank + 1) % self.size} - {self.rank})
-        if not barrier.Test():
-            notice = (self.hostname, ops, last)
-            notices = [comm.isend(notice, r, _TAG) for r in neighbours]
-            barrier.Wait()
+        notices, tried = [], False
+        check = t0 + patience if patience else None
+        while not barrier.Test():
+            now = time.monotonic()
+            if now >= t0 + grace and not tried:  # (a dead neighbour's send is given up)
+                tried, notice = True, (self.hostname, ops, last)
+                if not _bounded(lambda: notices.extend(comm.isend(notice, r, _TAG) for r in neighbours),
+                                0.5):
+                    gone = neighbours[len(notices)]
+                    if abort is not None:
+                        abort(f"rank {self.rank}/{self.size}: at exit, a message to rank {gone} "
+                              "could not be sent within 0.5 s: it is dead or unreachable. "
+                              "Aborting the job.")
+                    return
+            self.poll()  # (questions, and an abort's notice: it waits for the answer)
+            if check is not None and now >= check:
+                if self._dead(patience, abort):
+                    return
+                check = time.monotonic() + patience
+            time.sleep(0.002 if now < t0 + grace else 0.02)
         sent = comm.allgather(bool(notices))
         with self._lock:  # (those that poll() has not received yet)
             for r in neighbours:
                 if sent[r] and r not in self.gone:
                     self.gone[r] = comm.recv(source=r, tag=_TAG)
         MPI.Request.Waitall(notices)
+
+    def _dead(self, waited: float, abort) -> bool:
+        """At exit, after ``waited`` s: ask every other rank; call ``abort`` naming those that
+        do not answer (True), else keep waiting (False: they are alive, computing)."""
+        others = [r for r in range(self.size) if r != self.rank]
+        answers = self.ask(others)
+        silent = [r for r in others if r not in answers]
+        if not silent or abort is None:
+            return False
+        from .engine import rank_ranges
+        abort(f"rank {self.rank}/{self.size}: at exit, waited {waited:g} s for every rank to "
+              f"finish; rank(s) {rank_ranges(silent)} did not answer (dead, or stuck where Python "
+              "cannot run its threads). Aborting the job.")
+        return True

@@ -173,6 +173,11 @@ class Engine:
             raise h._error
 
     @property
+    def stall_timeout(self) -> float | None:
+        """The stall watchdog's timeout in seconds, None when it does not watch."""
+        return self._stall[0] if self._stall is not None else None
+
+    @property
     def ops(self) -> int:
         """How many operations were submitted or claimed so far."""
         return self._seq

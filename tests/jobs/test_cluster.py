@@ -18,6 +18,7 @@ import re
 import shlex
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,30 @@ def test_srun_without_an_mpi_plugin_is_refused_by_hpcdp_init(live):
     assert "TRAINING" not in out, out
     assert out.count("LaunchError: hpcdp.init(): srun started 2 processes (SLURM_STEP_NUM_TASKS=2)") == 2, out
     assert "use srun --mpi=pmi2" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_killed_after_its_last_collective_ends_the_job_at_exit(live):
+    """Rank 1 dies after the last collective; rank 0 finishes and waits for the others at
+    exit: it finds rank 1 dead (its notice cannot be sent, or rank 1 does not answer) and
+    ends the job, instead of waiting until the time limit."""
+    code = textwrap.dedent("""\
+        import os, signal
+        os.environ["HPCDP_STALL_TIMEOUT"] = "5"
+        import numpy as np, hpcdp
+        hpcdp.init()
+        hpcdp.allreduce(np.ones(10), name="last")
+        if hpcdp.rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        print("RANK0_DONE", flush=True)
+        """)
+    t0 = time.monotonic()
+    rc, out = live.sbatch_wait(job_script(code), timeout=90)
+    took = time.monotonic() - t0
+    assert rc != 0 and "RANK0_DONE" in out, out
+    assert re.search(r"\[hpcdp rank 0/2 on node1\] stall at exit: rank 0/2: at exit, "
+                     r"(a message to rank 1 could not be sent|.* rank\(s\) 1 did not answer)", out), out
+    assert took < 60, f"{took:.0f} s:\n{out}"
 
 
 @pytest.mark.timeout(120)
