@@ -649,8 +649,8 @@ def _say_before_abort(rt: _Runtime, text: str) -> None:
     err.flush()
     reason = text.strip().splitlines()[-1] if text.strip() else "aborted"
     _write_traces(rt.rank, reason)
-    if rt.departures is not None:  # the other ranks write their traces too
-        rt.departures.announce_abort(reason)
+    if rt.departures is not None and rt.engine.mode == "thread":  # the others write theirs
+        rt.departures.announce_abort(reason)  # (MPI from a second thread: not under "poll")
     if rt.size > 1:
         time.sleep(0.5)
 

@@ -25,7 +25,10 @@ message matches its notices):
    finalised.
 
 A rank that computes alone after the others finished (rank 0 writing a checkpoint) is not
-disturbed: notices only fail operations that wait for a rank that left.
+disturbed: notices only fail operations that wait for a rank that left. A rank that died
+after its last collective is found at exit: the notice to it cannot be sent (the send
+blocks inside MPI: MPICH over TCP), or, every stall timeout, it does not answer when the
+waiting ranks ask; the job is aborted, naming it.
 
 Before ``MPI_Abort`` (an uncaught exception, a stall, a rank that finished) the aborting rank
 sends every other rank an abort notice (:meth:`Departures.announce_abort`); their watchdog

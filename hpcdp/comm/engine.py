@@ -433,7 +433,8 @@ class Engine:
     def state(self) -> tuple:
         """What this rank is doing, for a stalled peer's message: ``("op", name, number,
         seconds without progress)`` or ``("idle", operations run, the last one's name,
-        seconds since the last progress)``."""
+        seconds since the last progress)`` (at exit, :mod:`~hpcdp.comm.departure` answers
+        ``("finished", ...)`` alike)."""
         h, idle = self._running, monotonic() - self.last_progress
         return ("op", h.name, h.seq, idle) if h is not None else ("idle", self._seq, self.last_name, idle)
 
@@ -453,7 +454,9 @@ class Engine:
                 said.append(f"rank {r} is in {a[1]} (#{a[2]}), no progress for {a[3]:.1f} s{other}")
             else:
                 last = f", the last {a[2]}" if a[2] else ""
-                said.append(f"rank {r} is in no hpcdp operation ({a[1]} run{last}; none for "
+                said.append(f"rank {r} has finished, {a[3]:.1f} s ago ({a[1]} run{last})"
+                            if a[0] == "finished" else
+                            f"rank {r} is in no hpcdp operation ({a[1]} run{last}; none for "
                             f"{a[3]:.1f} s): it computes, or waits outside hpcdp")
         return " Asked: " + "; ".join(said) + "."
 

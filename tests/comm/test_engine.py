@@ -72,3 +72,40 @@ def test_run_queues_behind_a_claimed_operation():
         assert log == ["first", "second"]
     finally:
         engine.close()
+
+
+class _Asked:
+    """Departures whose ranks answer as given (rank 5 does not answer)."""
+
+    def __init__(self, answers):
+        self.answers, self.asked = answers, None
+
+    def ask(self, ranks):
+        self.asked = list(ranks)
+        return self.answers
+
+
+def test_a_stall_message_says_what_each_asked_rank_answered():
+    """Each kind of answer in words: the same collective, another one (the ranks call them in
+    different orders), none (it computes), finished, and no answer (dead)."""
+    engine = Engine(_Comm(), None, "poll")
+    try:
+        h = engine.claim("allreduce(bucket2)", where={"phase": "scatter-reduce", "peer": 1})
+        asked = _Asked({0: ("op", "allreduce(bucket2)", 7, 3.0), 1: ("op", "broadcast(params)", 7, 3.5),
+                        2: ("idle", 6, "allreduce(bucket1)", 4.0), 4: ("finished", 6, None, 1.5)})
+        engine._departures = (asked, None)
+        said = engine._ask_peers(h, [0, 1, 2, 4, 5])
+        assert asked.asked == [0, 1, 2, 4, 5]
+        assert said == (
+            " Asked: rank 0 is in allreduce(bucket2) (#7), no progress for 3.0 s; "
+            "rank 1 is in broadcast(params) (#7), no progress for 3.5 s (another collective: the "
+            "ranks call them in different orders); rank 2 is in no hpcdp operation (6 run, the last "
+            "allreduce(bucket1); none for 4.0 s): it computes, or waits outside hpcdp; rank 4 has "
+            "finished, 1.5 s ago (6 run); rank 5 did not answer (dead, or stuck where Python cannot "
+            "run its threads).")
+        # the stall's message asks the peer it waits for, and says so
+        assert "Asked: rank 1 is in broadcast(params)" in engine.describe_stall(h, 9.0, 5.0)
+        assert asked.asked == [1]
+        engine.finish(h)
+    finally:
+        engine.close()
