@@ -73,6 +73,7 @@ class Departures:
         self.comm, self.MPI = comm, MPI
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.hostname = hostname
+        self.grace = GRACE_S               # (the watchdog waits this long without progress)
         self.gone: dict[int, tuple] = {}   # rank -> (host, operations run, last operation)
         self.on_abort = None               # called with (rank, reason) of an abort notice
         self.state = lambda: None          # what this rank is doing, for a stalled peer

@@ -356,7 +356,7 @@ class Engine:
     def watch_departures(self, departures, abort) -> None:
         """Abort the job when the running operation waits for a rank that has finished
         (:mod:`hpcdp.comm.departure`): its notice arrived and the operation made no progress
-        for :data:`~hpcdp.comm.departure.GRACE_S`. The watchdog's thread receives the notices
+        for ``departures.grace`` seconds. The watchdog's thread receives the notices
         (MPI from a second thread: progress mode "thread" only)."""
         self._departures = (departures, abort)
         self._start_watching()
@@ -367,17 +367,19 @@ class Engine:
             threading.Thread(target=self._watch, name="hpcdp-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
-        from .departure import GRACE_S
+        period = 0.5  # (half a departure's grace)
         while not self._closed:
             stall, departures = self._stall, self._departures
-            time.sleep(min(GRACE_S / 2, stall[0] / 10) if stall else GRACE_S / 2)
+            if departures is not None:
+                period = departures[0].grace / 2
+            time.sleep(min(period, stall[0] / 10) if stall else period)
             if self._closed:
                 return
             h = self._running
             if departures is not None:
                 gone = departures[0].poll()
                 if gone and h is not None and h is self._running:
-                    message = self._describe_departure(h, departures[0], GRACE_S)
+                    message = self._describe_departure(h, departures[0], departures[0].grace)
                     if message is not None:
                         departures[1](message)
                         return
