@@ -441,7 +441,8 @@ class Engine:
         return ("op", h.name, h.seq, idle) if h is not None else ("idle", self._seq, self.last_name, idle)
 
     def _ask_peers(self, h: Handle, ranks: list) -> str:
-        """`` What they are doing: ...`` as ``ranks`` answer (nothing without departures)."""
+        """`` Asked: rank 1 is in ...; rank 2 ...``: what each of ``ranks`` answered
+        (:meth:`~hpcdp.comm.departure.Departures.ask`); empty without departures."""
         if self._departures is None or not ranks:
             return ""
         answers = self._departures[0].ask(ranks)

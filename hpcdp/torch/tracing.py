@@ -113,8 +113,7 @@ class StepTracer:
         self._optimizer_ends_steps = False
         self._hooks = (register_optimizer_step_pre_hook(self._optimizer_pre),
                        register_optimizer_step_post_hook(self._optimizer_post))
-        if hasattr(recorder, "before_abort"):  # (a recorder of the caller's may lack it)
-            recorder.before_abort(self._end_stepped)  # a stepped step is whole: written
+        recorder.before_abort(self._end_stepped)  # (a stepped step is whole: written)
 
     # -- wrapper ---------------------------------------------------------------------
     def forward_begin(self) -> int:
