@@ -153,8 +153,6 @@ class Departures:
 
     def blocking(self, members) -> list[int]:
         """The ranks that finished among ``members`` (None: every rank)."""
-        if not self.gone:
-            return []
         return sorted(r for r in self.gone if members is None or r in members)
 
     def describe(self, rank_gone: int, name: str, seq: int) -> str:

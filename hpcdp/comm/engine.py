@@ -367,11 +367,9 @@ class Engine:
             threading.Thread(target=self._watch, name="hpcdp-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
-        period = 0.5  # (half a departure's grace)
         while not self._closed:
             stall, departures = self._stall, self._departures
-            if departures is not None:
-                period = departures[0].grace / 2
+            period = departures[0].grace / 2 if departures is not None else 1.0
             time.sleep(min(period, stall[0] / 10) if stall else period)
             if self._closed:
                 return
@@ -379,7 +377,7 @@ class Engine:
             if departures is not None:
                 gone = departures[0].poll()
                 if gone and h is not None and h is self._running:
-                    message = self._describe_departure(h, departures[0], departures[0].grace)
+                    message = self._describe_departure(h, departures[0])
                     if message is not None:
                         departures[1](message)
                         return
@@ -391,9 +389,9 @@ class Engine:
                 abort(self.describe_stall(h, idle, timeout, source))
                 return
 
-    def _describe_departure(self, h: Handle, departures, grace: float):
+    def _describe_departure(self, h: Handle, departures):
         """The error for ``h`` if it waits for a rank that finished, else None."""
-        if monotonic() - self.last_progress < grace:
+        if monotonic() - self.last_progress < departures.grace:
             return None
         blocking = departures.blocking((h.where or {}).get("members"))
         return departures.describe(blocking[0], h.name, h.seq) if blocking else None

@@ -244,10 +244,9 @@ def _bucket_figures(comm: np.ndarray, layout: np.ndarray, world: int) -> dict:
 
 #: nccl-tests' bus bandwidth factor of a call on n ranks
 _BUS_FACTOR = {"allreduce": lambda n: 2.0 * (n - 1) / n, "allgather": lambda n: (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0,
-               # the wrappers' rows exchanges (hpcdp.torch.rows), allgathers
-               "tied embedding rows": lambda n: (n - 1) / n,
-               "sparse gradient rows": lambda n: (n - 1) / n}
+               "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+# the wrappers' rows exchanges (hpcdp.torch.rows) are allgathers
+_BUS_FACTOR["tied embedding rows"] = _BUS_FACTOR["sparse gradient rows"] = _BUS_FACTOR["allgather"]
 
 
 def _call_figures(parts: list, rank_steps: int, world: int) -> dict:
