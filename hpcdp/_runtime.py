@@ -480,18 +480,32 @@ def init(comm=None) -> None:
     with _init_lock:
         if _rt is not None:
             return
-        _rt = _Runtime(comm)
+        _rt = rt = _Runtime(comm)
         atexit.register(finalize)  # before mpi4py finalises MPI: windows freed, engine drained
         if os.environ.get("HPCDP_ABORT_ON_EXCEPTION", "1") != "0":
-            _install_abort_hook(_rt)
-        timeout = float(os.environ.get("HPCDP_STALL_TIMEOUT", "600"))
+            _install_abort_hook(rt)
+        timeout = _seconds(rt.rank, "HPCDP_STALL_TIMEOUT", 600.0)
         if timeout > 0:
-            watch_stalls(_rt, timeout)
-        if _rt.departures is not None and _rt.engine.mode == "thread":
-            rt = _rt
+            watch_stalls(rt, timeout)
+        warning = _seconds(rt.rank, "HPCDP_STALL_WARNING", 60.0)
+        if warning > 0:
+            rt.engine.warn_stalls(warning, lambda msg: _say(rt, f"warning: stall: {msg}\n"))
+        if rt.departures is not None and rt.engine.mode == "thread":
             rt.departures.on_abort = _write_traces
             rt.departures.state = rt.engine.state
             rt.engine.watch_departures(rt.departures, lambda msg: _abort(rt, "a rank finished", msg))
+
+
+def _seconds(rank: int, name: str, default: float) -> float:
+    """Environment variable ``name``, a number of seconds >= 0 (``default`` when unset)."""
+    text = os.environ.get(name, "").strip()
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"rank {rank}: {name} must be a number of seconds >= 0 (0: off), not {text!r}")
+    return value
 
 
 def watch_stalls(rt: _Runtime, timeout: float, source: str = "HPCDP_STALL_TIMEOUT") -> None:
@@ -637,16 +651,21 @@ def finalize() -> None:
             _rt = None
 
 
+def _say(rt: _Runtime, text: str) -> None:
+    """Write ``text`` to this process's stderr, naming this rank."""
+    # (the process's own stderr: torch.distributed's excepthook calls ours with sys.stderr
+    # swapped for a StringIO, which an abort would lose)
+    err = sys.__stderr__ or sys.stderr
+    err.write(f"[hpcdp rank {rt.rank}/{rt.size} on {rt.hostname}] {text}")
+    err.flush()
+
+
 def _say_before_abort(rt: _Runtime, text: str) -> None:
     """Write ``text`` (naming this rank) to stderr in time for the launcher to forward it:
     MPI_Abort kills every rank and the launcher's I/O forwarding with them, and a message
     still in the pipe is lost (seen once in CI: a stall abort whose job printed nothing).
     Then write what this rank's traces hold: their last steps show where it failed."""
-    # (the process's own stderr: torch.distributed's excepthook calls ours with sys.stderr
-    # swapped for a StringIO, which the abort would lose)
-    err = sys.__stderr__ or sys.stderr
-    err.write(f"[hpcdp rank {rt.rank}/{rt.size} on {rt.hostname}] {text}")
-    err.flush()
+    _say(rt, text)
     reason = text.strip().splitlines()[-1] if text.strip() else "aborted"
     _write_traces(rt.rank, reason)
     if rt.departures is not None and rt.engine.mode == "thread":  # the others write theirs

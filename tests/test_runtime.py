@@ -111,6 +111,42 @@ def test_a_stall_between_different_collectives_says_what_the_other_rank_is_in():
     assert "(another collective: the ranks call them in different orders)" in p.stderr, p.stderr
 
 
+@pytest.mark.timeout(120)
+def test_a_long_stall_is_warned_of_while_the_job_goes_on():
+    """Rank 1 computes for 4.5 s before the allreduce: rank 0 warns every second that it waits,
+    saying what rank 1 answered and when the job would be aborted, and the job then ends
+    well; ``HPCDP_STALL_WARNING=0`` keeps it quiet."""
+    code = ("import hpcdp, time, numpy as np; hpcdp.init()\n"
+            "x = np.ones(1000)\n"
+            "if hpcdp.rank() == 1:\n"
+            "    time.sleep(4.5)\n"
+            "hpcdp.allreduce(x, name='bucket7', check=False, algo='ring')\n"
+            "assert (x == 2).all(), x\n"
+            "print('done', hpcdp.rank())\n")
+    p = run_mpi(2, ["-c", code], timeout=90, env={"HPCDP_STALL_TIMEOUT": "30", "HPCDP_STALL_WARNING": "1"})
+    assert p.returncode == 0, p.stderr
+    assert "done 0" in p.stdout and "done 1" in p.stdout
+    warnings = [line for line in p.stderr.splitlines() if "warning: stall" in line]
+    assert len(warnings) >= 2, p.stderr
+    assert all(w.startswith("[hpcdp rank 0/2") for w in warnings), p.stderr
+    first = warnings[0]
+    assert "in allreduce(bucket7) (#1)" in first, first
+    assert "waiting for a message from rank 1" in first, first
+    assert "Asked: rank 1 is in no hpcdp operation (0 run; none for " in first, first
+    assert first.endswith("The job is aborted after 30 s without progress (HPCDP_STALL_TIMEOUT) "
+                          "and warns every 1 s (HPCDP_STALL_WARNING; 0: no warnings)."), first
+    idle = [float(w.split("no progress for ")[1].split(" s")[0]) for w in warnings]
+    assert all(k + 1 <= t for k, t in enumerate(idle)), warnings  # one a second, not more
+    p = run_mpi(2, ["-c", code], timeout=90, env={"HPCDP_STALL_TIMEOUT": "0", "HPCDP_STALL_WARNING": "0"})
+    assert p.returncode == 0 and "warning" not in p.stderr, p.stderr
+
+
+def test_the_stall_knobs_must_be_seconds():
+    p = run_mpi(1, ["-c", "import hpcdp; hpcdp.init()"], timeout=90, env={"HPCDP_STALL_WARNING": "1m"})
+    assert p.returncode != 0
+    assert "rank 0: HPCDP_STALL_WARNING must be a number of seconds >= 0 (0: off), not '1m'" in p.stderr
+
+
 @pytest.mark.parametrize("wait", ["spin", "yield"])
 def test_peer_late_for_a_flag_round_is_named(wait):
     """The same in the node's shared memory: rank 2 never arrives at the flag round (the

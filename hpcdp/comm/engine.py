@@ -95,6 +95,8 @@ class Engine:
         self._stall = None                     # (timeout_s, where it was set, abort) once watched
         self._watching = False                 # the watchdog thread runs
         self._departures = None                # (Departures, abort) once watched
+        self._warn = None                      # (period_s, say) once stalls are warned of
+        self._warned = None                    # (operation, its last progress, warnings said)
         self.last_progress = monotonic()
         self.thread_cpu_ns = 0                 # CPU time the progress thread spent driving ops
         # wait by testing requests and yielding the core between tests, instead of
@@ -361,6 +363,14 @@ class Engine:
         self._departures = (departures, abort)
         self._start_watching()
 
+    def warn_stalls(self, period: float, say) -> None:
+        """Warn, every ``period`` s that the running operation makes no progress, by
+        ``say(message)``: the stall's message (what the ranks it waits for answered included)
+        while the job goes on, so that a long stall shows in the job's output before
+        :meth:`start_watchdog`'s timeout ends it, or where no timeout is set."""
+        self._warn = (period, say)
+        self._start_watching()
+
     def _start_watching(self) -> None:
         if not self._watching:
             self._watching = True
@@ -368,9 +378,9 @@ class Engine:
 
     def _watch(self) -> None:
         while not self._closed:
-            stall, departures = self._stall, self._departures
+            stall, departures, warn = self._stall, self._departures, self._warn
             period = departures[0].grace / 2 if departures is not None else 1.0
-            time.sleep(min(period, stall[0] / 10) if stall else period)
+            time.sleep(min([period] + [s[0] / 10 for s in (stall, warn) if s is not None]))
             if self._closed:
                 return
             h = self._running
@@ -381,13 +391,20 @@ class Engine:
                     if message is not None:
                         departures[1](message)
                         return
-            if stall is None or h is None or h is not self._running:
+            if h is None or h is not self._running:
                 continue
-            idle = monotonic() - self.last_progress
-            if idle >= stall[0]:
+            last = self.last_progress
+            idle = monotonic() - last
+            if stall is not None and idle >= stall[0]:
                 timeout, source, abort = stall
                 abort(self.describe_stall(h, idle, timeout, source))
                 return
+            if warn is not None and idle >= warn[0]:
+                said = int(idle // warn[0])
+                if self._warned is None or self._warned[:2] != (h, last) or self._warned[2] < said:
+                    self._warned = (h, last, said)
+                    warn[1](self.describe_stall(h, idle, *(stall or (0.0, "HPCDP_STALL_TIMEOUT"))[:2],
+                                                warning=warn[0]))
 
     def _describe_departure(self, h: Handle, departures):
         """The error for ``h`` if it waits for a rank that finished, else None."""
@@ -397,7 +414,10 @@ class Engine:
         return departures.describe(blocking[0], h.name, h.seq) if blocking else None
 
     def describe_stall(self, h: Handle, idle: float, timeout: float,
-                       source: str = "HPCDP_STALL_TIMEOUT") -> str:
+                       source: str = "HPCDP_STALL_TIMEOUT", warning: float | None = None) -> str:
+        """The stall's message: the operation, its stage, whom it waits for and what they
+        answered; it ends by aborting the job (``timeout`` s, set by ``source``), or, with
+        ``warning`` (the warning's period), by when the job will be aborted, if ever."""
         rank, size = self.comm.Get_rank(), self.comm.Get_size()
         where = h.where or {}
         stage = where.get("phase", "starting")
@@ -426,9 +446,15 @@ class Engine:
                    f"one or more of ranks {rank_ranges(others)} did not arrive (did one die, or run "
                    "out of batches?)")
         asked = self._ask_peers(h, _suspects(where, peer, late, others, rank))
+        if warning is None:
+            end = f"Aborting the job ({source}={timeout:g})."
+        else:
+            end = (f"The job is aborted after {timeout:g} s without progress ({source}) "
+                   if timeout > 0 else "No stall timeout is set (HPCDP_STALL_TIMEOUT=0): the job waits ")
+            end += f"and warns every {warning:g} s (HPCDP_STALL_WARNING; 0: no warnings)."
         return (f"rank {rank}/{size}: no progress for {idle:.1f} s in {h.name} (#{h.seq}), {stage}, "
                 f"{waiting}{more}. {missing}.{asked} Ranks with different numbers of batches: see "
-                f"DistributedDataParallel.join(). Aborting the job ({source}={timeout:g}).")
+                f"DistributedDataParallel.join(). {end}")
 
     def state(self) -> tuple:
         """What this rank is doing, for a stalled peer's message: ``("op", name, number,

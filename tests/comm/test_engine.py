@@ -1,5 +1,7 @@
 """The progress engine's calls on the caller's thread (no MPI: operations here are plain
 functions and generators that need no requests)."""
+import time
+
 import pytest
 
 from hpcdp.comm.engine import Engine
@@ -106,6 +108,42 @@ def test_a_stall_message_says_what_each_asked_rank_answered():
         # the stall's message asks the peer it waits for, and says so
         assert "Asked: rank 1 is in broadcast(params)" in engine.describe_stall(h, 9.0, 5.0)
         assert asked.asked == [1]
+        engine.finish(h)
+    finally:
+        engine.close()
+
+
+def test_a_stall_warning_says_when_the_job_would_be_aborted_and_a_watched_stall_is_warned_of_once_a_period():
+    """The warning's message ends with the timeout that will abort the job, or says none is
+    set; the watchdog says it once per period of no progress, again after each further
+    period, and anew for the next stalled operation."""
+    def _until(cond, limit=20.0):
+        end = time.monotonic() + limit
+        while not cond():
+            assert time.monotonic() < end, said
+            time.sleep(0.01)
+
+    engine, said = Engine(_Comm(), None, "thread"), []
+    try:
+        h = engine.claim("allreduce(bucket2)", where={"phase": "scatter-reduce", "peer": 1})
+        text = engine.describe_stall(h, 9.0, 600.0, warning=60.0)
+        assert text.startswith("rank 3/4: no progress for 9.0 s in allreduce(bucket2) (#1), scatter-reduce")
+        assert text.endswith("The job is aborted after 600 s without progress (HPCDP_STALL_TIMEOUT) and "
+                             "warns every 60 s (HPCDP_STALL_WARNING; 0: no warnings)."), text
+        assert engine.describe_stall(h, 9.0, 0.0, warning=60.0).endswith(
+            "No stall timeout is set (HPCDP_STALL_TIMEOUT=0): the job waits and warns every 60 s "
+            "(HPCDP_STALL_WARNING; 0: no warnings).")
+        engine.warn_stalls(0.3, said.append)
+        _until(lambda: len(said) >= 2)
+        idle = [float(s.split("no progress for ")[1].split(" s")[0]) for s in said[:2]]
+        assert 0.3 <= idle[0] and idle[1] // 0.3 > idle[0] // 0.3, said  # a period apart, not a round
+        engine.finish(h)
+        n = len(said)
+        time.sleep(0.5)
+        assert len(said) == n  # nothing runs: nothing to warn of
+        h = engine.claim("broadcast(params)", where={"peer": 1})
+        _until(lambda: len(said) > n)
+        assert "in broadcast(params) (#2)" in said[n], said
         engine.finish(h)
     finally:
         engine.close()
