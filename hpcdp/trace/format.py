@@ -23,8 +23,10 @@ __all__ = [
 #: value of the root attribute ``format``: what marks a file as an hpcdp trace
 FORMAT_NAME = "hpcdp-trace"
 #: value of the root attribute ``format_version``; readers refuse newer versions. Version 2
-#: added the COLLECTIVE kind (and the metadata's ``calls`` names); version 1 files read as before.
-FORMAT_VERSION = 2
+#: added the COLLECTIVE kind (and the metadata's ``calls`` names); version 3 the commit's
+#: ``buckets_at`` and ``meta_at`` (a rewritten bucket layout or metadata is written beside
+#: the committed copy, not over it). Older files read as before (both at 0).
+FORMAT_VERSION = 3
 
 
 class EventKind(enum.IntEnum):
@@ -54,7 +56,7 @@ class EventKind(enum.IntEnum):
 
 
 #: the event kinds each format version knows (a file names its own in ``event_kinds``)
-KINDS_OF_VERSION = {1: 8, 2: 9}
+KINDS_OF_VERSION = {1: 8, 2: 9, 3: 9}
 
 
 #: one event row as stored in the ``events`` dataset. Times are the writing
@@ -87,8 +89,11 @@ BUCKET_DTYPE = np.dtype([
 ])
 
 #: the ``commit`` dataset (int64, one value per field): written last at every
-#: flush, it says how much of every other dataset is valid
-COMMIT_FIELDS = ("n_events", "n_clock", "n_buckets", "meta_len", "n_flushes", "last_step", "closed")
+#: flush, it says how much of every other dataset is valid (the bucket layout and the
+#: metadata: ``n_buckets`` rows from row ``buckets_at``, ``meta_len`` bytes from byte
+#: ``meta_at``; format 2 and older have neither field: from 0)
+COMMIT_FIELDS = ("n_events", "n_clock", "n_buckets", "meta_len", "n_flushes", "last_step", "closed",
+                 "buckets_at", "meta_at")
 
 _RANK_FILE = re.compile(r"^rank(\d{5,})\.h5$")
 

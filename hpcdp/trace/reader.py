@@ -226,16 +226,19 @@ def _read_open(path: str, f: h5py.File) -> RankTrace:
     if kinds != known:
         raise TraceError(f"{path}: event kinds {kinds} differ from those of trace format "
                          f"{version}, {known}")
-    commit = dict(zip(COMMIT_FIELDS, (int(v) for v in f["commit"][:])))
-    for name, count in (("events", "n_events"), ("clock", "n_clock"), ("buckets", "n_buckets"),
-                        ("meta_json", "meta_len")):
-        if commit[count] > f[name].shape[0]:
+    commit = {"buckets_at": 0, "meta_at": 0} | dict(zip(COMMIT_FIELDS, (int(v) for v in f["commit"][:])))
+    parts = {}  # dataset: its committed rows
+    for name, count, at in (("events", "n_events", None), ("clock", "n_clock", None),
+                            ("buckets", "n_buckets", "buckets_at"), ("meta_json", "meta_len", "meta_at")):
+        start = commit[at] if at else 0
+        if start + commit[count] > f[name].shape[0]:
             raise TraceError(f"{path}: damaged hpcdp trace: {commit[count]} {name} rows committed "
-                             f"but the dataset holds {f[name].shape[0]}")
-    events = f["events"][:commit["n_events"]].astype(EVENT_DTYPE)
-    clock = np.sort(f["clock"][:commit["n_clock"]].astype(CLOCK_DTYPE), order="local_ns")
-    buckets = f["buckets"][:commit["n_buckets"]].astype(BUCKET_DTYPE)
-    raw = f["meta_json"][:commit["meta_len"]].tobytes()
+                             f"from row {start} but the dataset holds {f[name].shape[0]}")
+        parts[name] = f[name][start:start + commit[count]]
+    events = parts["events"].astype(EVENT_DTYPE)
+    clock = np.sort(parts["clock"].astype(CLOCK_DTYPE), order="local_ns")
+    buckets = parts["buckets"].astype(BUCKET_DTYPE)
+    raw = parts["meta_json"].tobytes()
     try:
         doc = json.loads(raw) if raw else {"meta": {}, "codecs": ["none"]}
         meta, codecs, calls = doc["meta"], doc["codecs"], doc.get("calls", [])

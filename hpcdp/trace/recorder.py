@@ -115,7 +115,8 @@ class Recorder:
                  "_clock_rows", "_n_clock", "_meta", "_codecs", "_calls", "_meta_json",
                  "_meta_dirty",
                  "_buckets", "_buckets_dirty", "_closed", "_file", "_events", "_clock",
-                 "_bucket_ds", "_meta_ds", "_commit", "_settle", "__weakref__")
+                 "_bucket_ds", "_meta_ds", "_commit", "_settle", "_buckets_at", "_meta_at",
+                 "__weakref__")
     enabled = True
     now = staticmethod(time.perf_counter_ns)
 
@@ -150,6 +151,7 @@ class Recorder:
         self._meta_dirty = True
         self._buckets = np.zeros(0, dtype=BUCKET_DTYPE)
         self._buckets_dirty = False
+        self._buckets_at = self._meta_at = (0, 0)  # the committed copies: (first row, rows)
         self._closed = False
         self._settle: list = []
         self._create(directory, flush_interval)
@@ -395,28 +397,37 @@ class Recorder:
                 self._clock.resize((k + len(rows),))
                 self._clock[k:] = rows
                 self._n_clock, self._clock_rows = k + len(rows), []
+            buckets_at, meta_at = self._buckets_at, self._meta_at
             if self._buckets_dirty:
-                b = self._buckets
-                if self._bucket_ds.shape[0] < len(b):
-                    self._bucket_ds.resize((len(b),))
-                self._bucket_ds[:len(b)] = b
+                buckets_at = _rewrite(self._bucket_ds, self._buckets, buckets_at)
                 self._buckets_dirty = False
             if self._meta_dirty:
-                m = np.frombuffer(self._meta_json, dtype=np.uint8)
-                if self._meta_ds.shape[0] < len(m):
-                    self._meta_ds.resize((len(m),))
-                self._meta_ds[:len(m)] = m
+                meta_at = _rewrite(self._meta_ds, np.frombuffer(self._meta_json, dtype=np.uint8), meta_at)
                 self._meta_dirty = False
             f.flush()  # data first: the commit below must never point past it
             self._n_flushes += 1
             self._steps_pending = 0
-            self._commit[:] = np.array([self._n_events, self._n_clock, len(self._buckets),
-                                        len(self._meta_json), self._n_flushes, self._last_step,
-                                        int(self._closed)], dtype=np.int64)
+            self._commit[:] = np.array([self._n_events, self._n_clock, buckets_at[1], meta_at[1],
+                                        self._n_flushes, self._last_step, int(self._closed),
+                                        buckets_at[0], meta_at[0]], dtype=np.int64)
             f.flush()
+            self._buckets_at, self._meta_at = buckets_at, meta_at
             self._flushed_ns = time.perf_counter_ns()
         except OSError as e:
             raise TraceError(f"{self.path}: writing the trace failed: {e}") from e
+
+
+def _rewrite(ds, rows: np.ndarray, committed: tuple) -> tuple:
+    """Write ``rows``, the new version of what ``ds`` holds one copy of (the bucket layout,
+    the metadata), where it overlaps the committed copy (``(first row, rows)``) nowhere:
+    before it when it fits there, else after it; return where it went. A writer killed
+    before its commit leaves the committed copy whole (an overwrite would leave the new
+    copy's start under the old length: unreadable metadata)."""
+    at = 0 if len(rows) <= committed[0] else committed[0] + committed[1]
+    if ds.shape[0] < at + len(rows):
+        ds.resize((at + len(rows),))
+    ds[at:at + len(rows)] = rows
+    return at, len(rows)
 
 
 class NullRecorder:

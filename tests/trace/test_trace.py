@@ -473,6 +473,56 @@ def test_killed_writer_leaves_a_readable_file(tmp_path):
         load(cut)
 
 
+KILLED_AT_A_METADATA_REWRITE = textwrap.dedent("""
+    import os, sys
+    from hpcdp.trace import Recorder
+    rec = Recorder(sys.argv[1], 0, 1)
+    rec.set_meta(owner="test", config={"bucket_cap_mb": 25})
+    rec.step(0, 1, 0)
+    rec.flush()
+
+    class Killed:  # the process dies after the new metadata is on disk, before its commit
+        def __setitem__(self, key, value):
+            os._exit(9)
+
+    rec._commit = Killed()
+    rec.set_meta(NEW_META)
+    rec.flush()
+""")
+
+
+@pytest.mark.parametrize("meta", ["aborted={'rank': 1, 'reason': 'stall'}", "owner='t'"])
+def test_a_writer_killed_while_rewriting_its_metadata_leaves_the_committed_one(tmp_path, meta):
+    """The metadata is rewritten whole when it changes (the abort's reason, new call names):
+    a writer killed after writing the new one and before committing it leaves the file
+    with the metadata it last committed (longer or shorter than the new one)."""
+    run = str(tmp_path / "run")
+    code = KILLED_AT_A_METADATA_REWRITE.replace("NEW_META", meta)
+    p = subprocess.run([sys.executable, "-c", code, run], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 9, p.stderr
+    r = load(run).ranks[0]
+    assert r.meta["owner"] == "test" and r.meta["config"] == {"bucket_cap_mb": 25} and "aborted" not in r.meta
+    assert r.last_step == 0
+
+
+def test_rewritten_metadata_and_bucket_layout_stay_within_three_copies(tmp_path):
+    """Each rewrite goes beside the committed copy: growing or shrinking 60 times, the
+    datasets hold at most three of the largest copies, and every flush reads back what was
+    set."""
+    most = [0, 0]  # the largest metadata and layout set
+    with Recorder(tmp_path / "run", 0, 1) as rec:
+        for k in range(60):
+            size = 5 + (k * 37) % 23 if k % 2 else 5 + k
+            rec.set_meta(k=k, pad="x" * (10 * size))
+            rec.set_buckets([100 + k] * size, [1] * size)
+            rec.flush()
+            most = [max(most[0], len(rec._meta_json)), max(most[1], size)]
+            r = load(tmp_path / "run").ranks[0]
+            assert r.meta["k"] == k and len(r.meta["pad"]) == 10 * size
+            assert r.buckets["nbytes"].tolist() == [100 + k] * size
+            assert rec._meta_ds.shape[0] < 3 * most[0] and rec._bucket_ds.shape[0] < 3 * most[1]
+
+
 # ---- chrome -----------------------------------------------------------------------
 
 def test_chrome_json_has_the_required_fields(tmp_path):
