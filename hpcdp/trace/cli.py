@@ -83,6 +83,13 @@ def _summary(args) -> int:
     aborted = next((r.meta["aborted"] for r in trace.ranks if "aborted" in r.meta), None)
     if aborted is not None:
         notes.append(f"rank {aborted['rank']} aborted the job: {aborted['reason']}")
+    ended = {}  # signal: the ranks it ended
+    for r in trace.ranks:
+        if "terminated" in r.meta:
+            ended.setdefault(r.meta["terminated"]["signal"], []).append(r.rank)
+    for sig, ranks in ended.items():
+        notes.append(f"{sig} ended rank(s) {_short(ranks)} (a time limit, scancel, preemption, or the "
+                     "launcher ending the job); each wrote its trace first")
     for n in notes:
         print("note: " + n)
     return 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import threading
@@ -35,7 +36,7 @@ from .clock import ClockSample, align_clocks
 from .format import (BUCKET_DTYPE, CLOCK_DTYPE, COMMIT_FIELDS, EVENT_DTYPE, FORMAT_NAME,
                      FORMAT_VERSION, EventKind, TraceError, parse_rank_filename, rank_filename)
 
-__all__ = ["Recorder", "NullRecorder", "open_recorder", "flush_open"]
+__all__ = ["Recorder", "NullRecorder", "open_recorder", "flush_open", "flush_on_sigterm"]
 
 # Buffer columns, in this order (the hot methods index them by literal offsets):
 _COLS = ("kind", "step", "bucket", "index", "t0", "t1", "nbytes", "bytes_sent", "bytes_recv", "codec")
@@ -72,25 +73,52 @@ def _check_settings(rank, world_size, level, flush_every, flush_interval, capaci
         raise ValueError(f"flush_interval must be >= 0, got {flush_interval}")
 
 
-def flush_open(aborted: dict, timeout: float = 5.0) -> None:
+def flush_open(aborted: dict | None = None, timeout: float = 5.0, **meta) -> None:
     """Write what every recorder of this process still holds, before the job is aborted
     (MPI_Abort ends the process without ``atexit``), with ``aborted`` (which rank ends the
-    job, and why) in the run metadata: on a thread of its own, waited for at most
+    job, and why) or ``meta`` in the run metadata: on a thread of its own, waited for at most
     ``timeout`` seconds, so that a recorder held by a stuck thread cannot keep the abort
     from happening. Errors are ignored: the job is ending for another reason."""
+    if aborted is not None:
+        meta["aborted"] = aborted
+
     def flush_all():
         for rec in list(_LIVE):
             try:
                 if not rec._closed:
                     for settle in rec._settle:
                         settle()
-                    rec.set_meta(aborted=aborted)
+                    rec.set_meta(**meta)
                     rec.flush()
             except Exception:  # noqa: BLE001 (the abort's message matters, not this)
                 pass
     t = threading.Thread(target=flush_all, name="hpcdp-trace-flush", daemon=True)
     t.start()
     t.join(timeout)
+
+
+_on_sigterm_installed = False
+
+
+def flush_on_sigterm() -> None:
+    """Make SIGTERM write this process's open traces before it ends the process as it
+    would have (Slurm's time limit, ``scancel`` and preemption send it, and launchers
+    forward it): each file gets ``terminated`` (the signal, when) in its metadata and
+    its last steps, which the regular flushes may not have written yet. Installed once,
+    from the main thread, and only over the default action: a handler the script (or
+    :class:`hpcdp.preempt.PreemptionHandler`) set is left alone, and one set later wins."""
+    global _on_sigterm_installed
+    if _on_sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _on_sigterm_installed = True
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    flush_open(terminated={"signal": signal.Signals(signum).name, "unix_ns": time.time_ns()})
+    os.kill(os.getpid(), signum)  # the default action: the process ends by the signal
 
 
 class Recorder:
@@ -157,6 +185,7 @@ class Recorder:
         self._create(directory, flush_interval)
         _OPEN.add(os.path.abspath(self.path))
         _LIVE.add(self)
+        flush_on_sigterm()
         self.flush()
 
     def _create(self, directory, flush_interval: float) -> None:

@@ -523,6 +523,86 @@ def test_rewritten_metadata_and_bucket_layout_stay_within_three_copies(tmp_path)
             assert rec._meta_ds.shape[0] < 3 * most[0] and rec._bucket_ds.shape[0] < 3 * most[1]
 
 
+TERMINATED_WRITER = textwrap.dedent("""
+    import signal, sys, time
+    from hpcdp.trace import Recorder, EventKind as K
+    if sys.argv[2] == "own":  # the script's own handler, set first
+        signal.signal(signal.SIGTERM, lambda *a: (print("own handler", flush=True), sys.exit(7)))
+    rec = Recorder(sys.argv[1], 0, 1, flush_every=1000, flush_interval=3600)
+    for step in range(3):
+        t = rec.now()
+        rec.span(K.FORWARD, t, rec.now(), step)
+        rec.step(t, rec.now(), step)
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("handler", ["default", "own"])
+def test_sigterm_writes_the_trace_then_ends_the_process_as_before(tmp_path, capsys, handler):
+    """Slurm's time limit, scancel and preemption send SIGTERM: the steps the regular
+    flushes have not written yet (here: none of the three) are written, with the signal in
+    the metadata, and the process still ends by SIGTERM; a handler the script set first is
+    left alone."""
+    run = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "-c", TERMINATED_WRITER, run, handler],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    r = load(run).ranks[0]
+    if handler == "own":
+        assert proc.returncode == 7 and "own handler" in out
+        assert "terminated" not in r.meta
+        return
+    assert proc.returncode == -signal.SIGTERM
+    assert r.of_kind(K.STEP)["step"].tolist() == [0, 1, 2] and not r.complete
+    assert r.meta["terminated"]["signal"] == "SIGTERM"
+    assert main(["summary", run]) == 0
+    assert "note: SIGTERM ended rank(s) 0 (a time limit, scancel, preemption" in capsys.readouterr().out
+
+
+TERMINATED_JOB = """
+import sys, time, torch, hpcdp
+hpcdp.init()
+torch.manual_seed(0)
+ddp = hpcdp.DistributedDataParallel(torch.nn.Linear(8, 2), trace=sys.argv[1])
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+for step in range(4):
+    opt.zero_grad()
+    ddp(torch.randn(4, 8)).sum().backward()
+    opt.step()
+hpcdp.barrier()
+if hpcdp.rank() == 0:
+    print("ready", flush=True)
+time.sleep(100)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_launcher_writes_every_ranks_trace(tmp_path):
+    """``mpirun`` forwards SIGTERM to the ranks (as ``srun`` sends it to every task at a time
+    limit): every rank writes its steps (flushed every 10 by default: none of the four
+    yet) with the signal noted."""
+    from launch import mpi_env, mpirun
+    run = str(tmp_path / "run")
+    proc = subprocess.Popen([mpirun(), "-np", "2", sys.executable, "-c", TERMINATED_JOB, run],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=mpi_env())
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    for r in load(run).ranks:
+        assert r.of_kind(K.STEP)["step"].tolist() == [0, 1, 2, 3], f"rank {r.rank}"
+        assert r.meta["terminated"]["signal"] == "SIGTERM", f"rank {r.rank}"
+
+
 # ---- chrome -----------------------------------------------------------------------
 
 def test_chrome_json_has_the_required_fields(tmp_path):
