@@ -17,7 +17,7 @@ from ..errors import TraceError
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "EventKind", "KINDS_OF_VERSION", "EVENT_DTYPE", "CLOCK_DTYPE",
-    "BUCKET_DTYPE", "COMMIT_FIELDS", "rank_filename", "parse_rank_filename", "TraceError",
+    "BUCKET_DTYPE", "COMMIT_FIELDS", "rank_filename", "parse_rank_filename", "TraceError", "superblock",
 ]
 
 #: value of the root attribute ``format``: what marks a file as an hpcdp trace
@@ -109,3 +109,18 @@ def parse_rank_filename(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def superblock(path: str) -> tuple[int, int] | None:
+    """(end-of-file address, consistency flags) of a version 2/3 superblock at
+    offset 0 (what the recorder writes), else None."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head[:8] != _SIGNATURE or len(head) < 12 or head[8] < 2:
+        return None
+    size = head[9]  # size of offsets; then flags, base address, extension address, EOF
+    at = 12 + 2 * size
+    if len(head) < at + size:
+        return None
+    return int.from_bytes(head[at:at + size], "little"), head[11]

@@ -14,7 +14,8 @@ import h5py
 import numpy as np
 
 from .format import (BUCKET_DTYPE, CLOCK_DTYPE, COMMIT_FIELDS, EVENT_DTYPE, FORMAT_NAME,
-                     FORMAT_VERSION, KINDS_OF_VERSION, EventKind, TraceError, parse_rank_filename)
+                     FORMAT_VERSION, KINDS_OF_VERSION, EventKind, TraceError, parse_rank_filename,
+                     superblock)
 
 __all__ = ["load", "Trace", "RankTrace", "MERGED_DTYPE"]
 
@@ -172,7 +173,7 @@ def _read_rank(path: str) -> RankTrace:
     if not h5py.is_hdf5(path):
         raise TraceError(f"{path}: not an HDF5 file, so not an hpcdp trace")
     swmr = False
-    sb = _superblock(path)
+    sb = superblock(path)
     if sb is not None and sb[1]:
         # Consistency flags set: the writer has not closed the file (running, or
         # killed). Only SWMR-read mode opens such a file; it skips HDF5's
@@ -187,23 +188,6 @@ def _read_rank(path: str) -> RankTrace:
             return _read_open(path, f)
     except OSError as e:
         raise TraceError(f"{path}: cannot read the HDF5 file (truncated or corrupt?): {e}") from e
-
-
-_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-
-
-def _superblock(path: str) -> tuple[int, int] | None:
-    """(end-of-file address, consistency flags) of a version 2/3 superblock at
-    offset 0 (what the recorder writes), else None."""
-    with open(path, "rb") as f:
-        head = f.read(64)
-    if head[:8] != _SIGNATURE or len(head) < 12 or head[8] < 2:
-        return None
-    size = head[9]  # size of offsets; then flags, base address, extension address, EOF
-    at = 12 + 2 * size
-    if len(head) < at + size:
-        return None
-    return int.from_bytes(head[at:at + size], "little"), head[11]
 
 
 def _read_open(path: str, f: h5py.File) -> RankTrace:

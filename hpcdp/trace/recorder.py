@@ -34,7 +34,8 @@ import numpy as np
 
 from .clock import ClockSample, align_clocks
 from .format import (BUCKET_DTYPE, CLOCK_DTYPE, COMMIT_FIELDS, EVENT_DTYPE, FORMAT_NAME,
-                     FORMAT_VERSION, EventKind, TraceError, parse_rank_filename, rank_filename)
+                     FORMAT_VERSION, EventKind, TraceError, parse_rank_filename, rank_filename,
+                     superblock)
 
 __all__ = ["Recorder", "NullRecorder", "open_recorder", "flush_open", "flush_on_sigterm"]
 
@@ -134,7 +135,10 @@ class Recorder:
       ``flush_every`` steps exactly).
 
     ``level`` 1 records phases and buckets; 2 also ring steps. ``capacity`` is the
-    buffer size in events; a full buffer is flushed early, nothing is dropped.
+    buffer size in events; a full buffer is flushed early, nothing is dropped. A write
+    that fails after the file was made (a full disk, a quota) stops the recording, not the
+    caller: one warning on stderr, :attr:`failed` says why, and the file keeps what it
+    had committed.
     """
 
     __slots__ = ("rank", "world_size", "level", "flush_every", "run_id", "path", "_lock", "_cap",
@@ -144,7 +148,7 @@ class Recorder:
                  "_meta_dirty",
                  "_buckets", "_buckets_dirty", "_closed", "_file", "_events", "_clock",
                  "_bucket_ds", "_meta_ds", "_commit", "_settle", "_buckets_at", "_meta_at",
-                 "__weakref__")
+                 "_failed", "_committed_step", "__weakref__")
     enabled = True
     now = staticmethod(time.perf_counter_ns)
 
@@ -180,6 +184,8 @@ class Recorder:
         self._buckets = np.zeros(0, dtype=BUCKET_DTYPE)
         self._buckets_dirty = False
         self._buckets_at = self._meta_at = (0, 0)  # the committed copies: (first row, rows)
+        self._failed: str | None = None  # why writing stopped (a full disk), once it has
+        self._committed_step = -1
         self._closed = False
         self._settle: list = []
         self._create(directory, flush_interval)
@@ -391,7 +397,17 @@ class Recorder:
             self._closed = True
             _OPEN.discard(os.path.abspath(self.path))
             self._flush_locked()
-            self._file.close()
+            try:
+                self._file.close()
+            except (OSError, RuntimeError):
+                if self._failed is None:
+                    raise
+
+    @property
+    def failed(self) -> str | None:
+        """Why this recorder stopped writing (after its file's first flush, a write that
+        failed, e.g. a full disk, stops the recording instead of the training), else None."""
+        return self._failed
 
     def __enter__(self):
         return self
@@ -408,6 +424,9 @@ class Recorder:
         f = self._file
         if not f:
             raise TraceError(f"{self.path}: recorder is closed")
+        if self._failed is not None:
+            self._drop()
+            return
         try:
             n = self._n
             if n:
@@ -441,9 +460,51 @@ class Recorder:
                                         buckets_at[0], meta_at[0]], dtype=np.int64)
             f.flush()
             self._buckets_at, self._meta_at = buckets_at, meta_at
+            self._committed_step = self._last_step
             self._flushed_ns = time.perf_counter_ns()
-        except OSError as e:
-            raise TraceError(f"{self.path}: writing the trace failed: {e}") from e
+        except (OSError, RuntimeError) as e:  # (h5py raises RuntimeError for some failed writes)
+            if self._n_flushes == 0:  # creating the file: the caller hears of it
+                raise TraceError(f"{self.path}: writing the trace failed: {e}") from e
+            self._stop_writing(e)
+
+    def _stop_writing(self, error: Exception) -> None:
+        """A write failed during the run (a full disk, a quota): say so once and record no
+        more on this rank; the training goes on, and the file keeps what it committed."""
+        self._failed = str(error).splitlines()[0]
+        self._drop()
+        self._detach()
+        err = sys.__stderr__ or sys.stderr
+        err.write(f"[hpcdp rank {self.rank}/{self.world_size} on {socket.gethostname()}] warning: "
+                  f"trace: writing {self.path} failed ({self._failed}). This rank records no more "
+                  f"events: its file keeps what it had committed (up to step {self._committed_step}), "
+                  "and the training goes on.\n")
+        err.flush()
+
+    def _detach(self) -> None:
+        """Point the file's descriptor at /dev/null: HDF5 writes its cached metadata when the
+        file is closed (at the latest at exit, where a failing close crashed the process),
+        and those writes must neither fail nor touch what the file has committed. Then
+        extend the file, by a hole, to the end its superblock names (the failed write may
+        have stopped short of it; readers take a shorter file for a cut copy)."""
+        try:
+            fd = self._file.id.get_vfd_handle()
+            null = os.open(os.devnull, os.O_RDWR)
+            try:
+                os.dup2(null, fd)
+            finally:
+                os.close(null)
+            sb = superblock(self.path)
+            if sb is not None and os.path.getsize(self.path) < sb[0]:
+                os.truncate(self.path, sb[0])  # (a hole takes no space on a full disk)
+        except (OSError, RuntimeError, ValueError, TypeError):
+            pass  # another file driver, or no room even for that: the file reads as cut short
+
+    def _drop(self) -> None:
+        """Forget what is buffered (lock held)."""
+        self._buf[:self._n] = _EMPTY_ROW
+        self._n = self._steps_pending = 0
+        self._clock_rows = []
+        self._meta_dirty = self._buckets_dirty = False
 
 
 def _rewrite(ds, rows: np.ndarray, committed: tuple) -> tuple:

@@ -603,6 +603,88 @@ def test_sigterm_to_the_launcher_writes_every_ranks_trace(tmp_path):
         assert r.meta["terminated"]["signal"] == "SIGTERM", f"rank {r.rank}"
 
 
+class _FullDisk:
+    """A dataset whose writes fail as on a full disk."""
+
+    shape = (0,)
+
+    def resize(self, shape):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_full_disk_stops_the_recording_not_the_training(tmp_path, capfd):
+    """A write that fails after the file was made (a full disk, a quota) warns once, naming
+    the rank, the file and the step its file keeps, and the recorder records no more: its
+    calls go on without raising, and the file reads up to that step."""
+    rec = Recorder(tmp_path / "run", 1, 2, flush_every=2, flush_interval=0)
+    for step in range(4):
+        rec.span(K.FORWARD, rec.now(), rec.now(), step)
+        rec.step(rec.now(), rec.now(), step)
+    rec._events = _FullDisk()
+    for step in range(4, 40):
+        rec.span(K.FORWARD, rec.now(), rec.now(), step)
+        rec.step(rec.now(), rec.now(), step)
+    rec.set_meta(more=1)
+    rec.flush()
+    rec.close()
+    err = capfd.readouterr().err
+    assert err.count("warning: trace") == 1, err
+    assert err.startswith("[hpcdp rank 1/2 on ") and "rank00001.h5 failed ([Errno 28] No space left " \
+        "on device). This rank records no more events: its file keeps what it had committed (up to " \
+        "step 3), and the training goes on." in err, err
+    assert rec.failed == "[Errno 28] No space left on device"
+    r = load(tmp_path / "run" / "rank00001.h5").ranks[0]
+    assert r.of_kind(K.STEP)["step"].tolist() == [0, 1, 2, 3] and not r.complete and "more" not in r.meta
+
+
+FAILING_WRITER = textwrap.dedent("""
+    import resource, signal, sys
+    from hpcdp.trace import Recorder, EventKind as K
+    if sys.argv[2] == "size-limit":  # writes past the limit fail with EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.RLIM_INFINITY))
+        detach = Recorder._detach
+
+        def lifted(self):  # what a full disk allows: a hole, no data
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+            detach(self)
+        Recorder._detach = lifted
+    rec = Recorder(sys.argv[1], 0, 1, flush_every=1, flush_interval=0)
+    for step in range(5000):
+        for b in range(20):
+            rec.comm(rec.now(), rec.now(), step, b, 100, 100, 100)
+        rec.step(rec.now(), rec.now(), step)
+    print("trained", rec.failed is not None, flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["size-limit", "full-disk"])
+def test_a_real_failed_write_ends_neither_the_training_nor_the_process(tmp_path, how):
+    """The same with HDF5's own writes failing, on a full file system (a 300 KB tmpfs;
+    skipped where it cannot be mounted) or past a file size limit: the loop ends, and so
+    does the process, cleanly (HDF5 closing a file whose writes fail crashed it at exit),
+    and the file reads up to its last commit (past the limit, the failed write left the
+    file shorter than its superblock says: the recorder extends it by a hole)."""
+    run = tmp_path / "run"
+    if how == "full-disk":
+        run.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(run)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        p = subprocess.run([sys.executable, "-c", FAILING_WRITER, str(run / "trace"), how],
+                           capture_output=True, text=True, timeout=100)
+        assert p.returncode == 0 and p.stdout.strip() == "trained True", p.stdout + p.stderr
+        assert p.stderr.count("warning: trace") == 1, p.stderr
+        r = load(run / "trace").ranks[0]
+        assert 0 < r.last_step < 4999
+        assert r.of_kind(K.STEP)["step"].tolist() == list(range(r.last_step + 1))
+    finally:
+        if how == "full-disk":
+            subprocess.run(["umount", "-l", str(run)], capture_output=True)
+
+
 # ---- chrome -----------------------------------------------------------------------
 
 def test_chrome_json_has_the_required_fields(tmp_path):
