@@ -678,7 +678,7 @@ def _write_traces(rank: int, reason: str) -> None:
     """Write what this process's traces hold, noting that rank ``rank`` aborts the job
     because of ``reason`` (before MPI_Abort, which skips ``atexit``)."""
     if "hpcdp.trace.recorder" in sys.modules:  # (no trace was opened otherwise)
-        sys.modules["hpcdp.trace.recorder"].flush_open({"rank": rank, "reason": reason})
+        sys.modules["hpcdp.trace.recorder"].flush_open({"aborted": {"rank": rank, "reason": reason}})
 
 
 def _abort(rt: _Runtime, what: str, message: str) -> None:

@@ -403,8 +403,8 @@ class Engine:
                 said = int(idle // warn[0])
                 if self._warned is None or self._warned[:2] != (h, last) or self._warned[2] < said:
                     self._warned = (h, last, said)
-                    warn[1](self.describe_stall(h, idle, *(stall or (0.0, "HPCDP_STALL_TIMEOUT"))[:2],
-                                                warning=warn[0]))
+                    timeout, source = stall[:2] if stall is not None else (0.0, "HPCDP_STALL_TIMEOUT")
+                    warn[1](self.describe_stall(h, idle, timeout, source, warning=warn[0]))
 
     def _describe_departure(self, h: Handle, departures):
         """The error for ``h`` if it waits for a rank that finished, else None."""

@@ -37,7 +37,7 @@ from .format import (BUCKET_DTYPE, CLOCK_DTYPE, COMMIT_FIELDS, EVENT_DTYPE, FORM
                      FORMAT_VERSION, EventKind, TraceError, parse_rank_filename, rank_filename,
                      superblock)
 
-__all__ = ["Recorder", "NullRecorder", "open_recorder", "flush_open", "flush_on_sigterm"]
+__all__ = ["Recorder", "NullRecorder", "open_recorder", "flush_open"]
 
 # Buffer columns, in this order (the hot methods index them by literal offsets):
 _COLS = ("kind", "step", "bucket", "index", "t0", "t1", "nbytes", "bytes_sent", "bytes_recv", "codec")
@@ -74,15 +74,12 @@ def _check_settings(rank, world_size, level, flush_every, flush_interval, capaci
         raise ValueError(f"flush_interval must be >= 0, got {flush_interval}")
 
 
-def flush_open(aborted: dict | None = None, timeout: float = 5.0, **meta) -> None:
-    """Write what every recorder of this process still holds, before the job is aborted
-    (MPI_Abort ends the process without ``atexit``), with ``aborted`` (which rank ends the
-    job, and why) or ``meta`` in the run metadata: on a thread of its own, waited for at most
-    ``timeout`` seconds, so that a recorder held by a stuck thread cannot keep the abort
-    from happening. Errors are ignored: the job is ending for another reason."""
-    if aborted is not None:
-        meta["aborted"] = aborted
-
+def flush_open(meta: dict, timeout: float = 5.0) -> None:
+    """Write what every recorder of this process still holds, before the process ends
+    without ``atexit`` (MPI_Abort, a signal), with ``meta`` in the run metadata (``aborted``:
+    which rank ends the job, and why; ``terminated``: the signal): on a thread of its own,
+    waited for at most ``timeout`` seconds, so that a recorder held by a stuck thread cannot
+    keep the process from ending. Errors are ignored: it ends for another reason."""
     def flush_all():
         for rec in list(_LIVE):
             try:
@@ -101,7 +98,7 @@ def flush_open(aborted: dict | None = None, timeout: float = 5.0, **meta) -> Non
 _on_sigterm_installed = False
 
 
-def flush_on_sigterm() -> None:
+def _flush_on_sigterm() -> None:
     """Make SIGTERM write this process's open traces before it ends the process as it
     would have (Slurm's time limit, ``scancel`` and preemption send it, and launchers
     forward it): each file gets ``terminated`` (the signal, when) in its metadata and
@@ -118,7 +115,7 @@ def flush_on_sigterm() -> None:
 
 def _on_sigterm(signum, frame) -> None:
     signal.signal(signum, signal.SIG_DFL)
-    flush_open(terminated={"signal": signal.Signals(signum).name, "unix_ns": time.time_ns()})
+    flush_open({"terminated": {"signal": signal.Signals(signum).name, "unix_ns": time.time_ns()}})
     os.kill(os.getpid(), signum)  # the default action: the process ends by the signal
 
 
@@ -191,7 +188,7 @@ class Recorder:
         self._create(directory, flush_interval)
         _OPEN.add(os.path.abspath(self.path))
         _LIVE.add(self)
-        flush_on_sigterm()
+        _flush_on_sigterm()
         self.flush()
 
     def _create(self, directory, flush_interval: float) -> None:
