@@ -523,6 +523,16 @@ def test_rewritten_metadata_and_bucket_layout_stay_within_three_copies(tmp_path)
             assert rec._meta_ds.shape[0] < 3 * most[0] and rec._bucket_ds.shape[0] < 3 * most[1]
 
 
+# a DDP job traced into sys.argv[1] (the jobs below go on from it)
+TRACED_DDP = """
+import sys, time, torch, hpcdp
+hpcdp.init()
+torch.manual_seed(0)
+ddp = hpcdp.DistributedDataParallel(torch.nn.Linear(8, 2), trace=sys.argv[1])
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+"""
+
+
 TERMINATED_WRITER = textwrap.dedent("""
     import signal, sys, time
     from hpcdp.trace import Recorder, EventKind as K
@@ -566,12 +576,7 @@ def test_sigterm_writes_the_trace_then_ends_the_process_as_before(tmp_path, caps
     assert "note: SIGTERM ended rank(s) 0 (a time limit, scancel, preemption" in capsys.readouterr().out
 
 
-TERMINATED_JOB = """
-import sys, time, torch, hpcdp
-hpcdp.init()
-torch.manual_seed(0)
-ddp = hpcdp.DistributedDataParallel(torch.nn.Linear(8, 2), trace=sys.argv[1])
-opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+TERMINATED_JOB = TRACED_DDP + """
 for step in range(4):
     opt.zero_grad()
     ddp(torch.randn(4, 8)).sum().backward()
@@ -795,12 +800,7 @@ def test_cli_plots(run, tmp_path):
 
 # ---- an aborted job ---------------------------------------------------------------
 
-ABORTED = """
-import sys, torch, hpcdp
-hpcdp.init()
-torch.manual_seed(0)
-ddp = hpcdp.DistributedDataParallel(torch.nn.Linear(8, 2), trace=sys.argv[1])
-opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+ABORTED = TRACED_DDP + """
 for step in range(6):
     if step == 4 and hpcdp.rank() == 1:
         if sys.argv[2] == "exception":
