@@ -122,7 +122,7 @@ def test_a_long_stall_is_warned_of_while_the_job_goes_on():
             "    time.sleep(4.5)\n"
             "hpcdp.allreduce(x, name='bucket7', check=False, algo='ring')\n"
             "assert (x == 2).all(), x\n"
-            "print('done', hpcdp.rank())\n")
+            "print(f'done {hpcdp.rank()}', flush=True)\n")
     p = run_mpi(2, ["-c", code], timeout=90, env={"HPCDP_STALL_TIMEOUT": "30", "HPCDP_STALL_WARNING": "1"})
     assert p.returncode == 0, p.stderr
     assert "done 0" in p.stdout and "done 1" in p.stdout

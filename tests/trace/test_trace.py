@@ -824,15 +824,21 @@ def test_every_rank_writes_its_trace_before_the_job_is_aborted(tmp_path, capsys,
     run = str(tmp_path / "run")
     p = run_mpi(2, ["-c", ABORTED, run, how], timeout=100, env={"HPCDP_STALL_TIMEOUT": "120"})
     assert p.returncode != 0 and f"[hpcdp rank {aborting}/2" in p.stderr, p.stderr
-    t = load(run)
+    said = f"\n--- the job's stderr:\n{p.stderr[-3000:]}"
+    try:
+        t = load(run)
+    except TraceError as e:
+        pytest.fail(f"{e}{said}")
     reason = "RuntimeError: boom on purpose" if how == "exception" else "waits for rank 1, which has finished"
     for r in t.ranks:
-        assert r.of_kind(K.STEP)["step"].tolist()[:4] == [0, 1, 2, 3], f"rank {r.rank}"
-        assert r.of_kind(K.OPTIMIZER)["step"].tolist()[:4] == [0, 1, 2, 3], f"rank {r.rank}"
+        what = f"rank {r.rank}: steps {r.of_kind(K.STEP)['step'].tolist()}, metadata {sorted(r.meta)}{said}"
+        assert r.of_kind(K.STEP)["step"].tolist()[:4] == [0, 1, 2, 3], what
+        assert r.of_kind(K.OPTIMIZER)["step"].tolist()[:4] == [0, 1, 2, 3], what
         if how == "finished" and r.rank == 1:  # it ended normally: its file closed at exit
-            assert r.complete and "aborted" not in r.meta
+            assert r.complete and "aborted" not in r.meta, what
         else:  # (the other rank wrote its trace when the abort's notice came)
-            assert r.meta["aborted"]["rank"] == aborting and reason in r.meta["aborted"]["reason"]
+            assert "aborted" in r.meta, what
+            assert r.meta["aborted"]["rank"] == aborting and reason in r.meta["aborted"]["reason"], what
     if how == "finished":  # the step rank 0 waited in: its forward, backward, and the transfer
         assert t.rank(0).of_kind(K.BACKWARD)["step"].tolist() == [0, 1, 2, 3, 4]
     assert main(["summary", run]) == 0
