@@ -622,6 +622,8 @@ def info() -> dict:
         "across": rt.across,
         "across_picks": _across_picks(rt),
         "calibration": rt.calibration.source,
+        "stall_timeout": rt.engine.stall_timeout,
+        "stall_warning": rt.engine.stall_warning,
     }
 
 

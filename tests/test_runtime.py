@@ -1,5 +1,6 @@
 """Runtime behaviour seen from outside: init errors, info, abort on exception."""
 import json
+import os
 import subprocess
 import sys
 
@@ -54,6 +55,11 @@ def test_info_under_mpirun_lists_every_rank():
     if info["cuda"] and not info["cuda_aware"]:
         assert set(picks.values()) == {"staged"}
     assert info["thread_level"] == "multiple"
+    if not {"HPCDP_STALL_TIMEOUT", "HPCDP_STALL_WARNING"} & set(os.environ):  # the defaults
+        assert info["stall_timeout"] == 600 and info["stall_warning"] == 60
+    p = run_mpi(1, ["-m", "hpcdp.info"], timeout=90, env={"HPCDP_STALL_TIMEOUT": "0", "HPCDP_STALL_WARNING": "5"})
+    info = json.loads(p.stdout)
+    assert info["stall_timeout"] is None and info["stall_warning"] == 5, p.stdout + p.stderr
 
 
 @pytest.mark.gpu

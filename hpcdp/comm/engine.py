@@ -180,6 +180,11 @@ class Engine:
         return self._stall[0] if self._stall is not None else None
 
     @property
+    def stall_warning(self) -> float | None:
+        """The stall warning's period in seconds, None when it does not warn."""
+        return self._warn[0] if self._warn is not None else None
+
+    @property
     def ops(self) -> int:
         """How many operations were submitted or claimed so far."""
         return self._seq
