@@ -74,12 +74,17 @@ def _check_settings(rank, world_size, level, flush_every, flush_interval, capaci
         raise ValueError(f"flush_interval must be >= 0, got {flush_interval}")
 
 
+_abort_flush: threading.Thread | None = None  # the writing for hpcdp's abort, once started
+
+
 def flush_open(meta: dict, timeout: float = 5.0) -> None:
     """Write what every recorder of this process still holds, before the process ends
     without ``atexit`` (MPI_Abort, a signal), with ``meta`` in the run metadata (``aborted``:
     which rank ends the job, and why; ``terminated``: the signal): on a thread of its own,
     waited for at most ``timeout`` seconds, so that a recorder held by a stuck thread cannot
     keep the process from ending. Errors are ignored: it ends for another reason."""
+    global _abort_flush
+
     def flush_all():
         for rec in list(_LIVE):
             try:
@@ -91,6 +96,8 @@ def flush_open(meta: dict, timeout: float = 5.0) -> None:
             except Exception:  # noqa: BLE001 (the abort's message matters, not this)
                 pass
     t = threading.Thread(target=flush_all, name="hpcdp-trace-flush", daemon=True)
+    if "aborted" in meta:
+        _abort_flush = t
     t.start()
     t.join(timeout)
 
@@ -115,7 +122,10 @@ def _flush_on_sigterm() -> None:
 
 def _on_sigterm(signum, frame) -> None:
     signal.signal(signum, signal.SIG_DFL)
-    flush_open({"terminated": {"signal": signal.Signals(signum).name, "unix_ns": time.time_ns()}})
+    if _abort_flush is not None:  # hpcdp aborts the job, and the launcher ends the ranks (Open
+        _abort_flush.join(5.0)    # MPI's mpirun sends SIGTERM): the abort's writing says why
+    else:
+        flush_open({"terminated": {"signal": signal.Signals(signum).name, "unix_ns": time.time_ns()}})
     os.kill(os.getpid(), signum)  # the default action: the process ends by the signal
 
 

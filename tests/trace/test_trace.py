@@ -543,18 +543,22 @@ TERMINATED_WRITER = textwrap.dedent("""
         t = rec.now()
         rec.span(K.FORWARD, t, rec.now(), step)
         rec.step(t, rec.now(), step)
+    if sys.argv[2] == "aborting":  # hpcdp aborts the job; the launcher's SIGTERM follows
+        from hpcdp.trace.recorder import flush_open
+        flush_open({"aborted": {"rank": 1, "reason": "stall"}})
     print("ready", flush=True)
     time.sleep(60)
 """)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("handler", ["default", "own"])
+@pytest.mark.parametrize("handler", ["default", "own", "aborting"])
 def test_sigterm_writes_the_trace_then_ends_the_process_as_before(tmp_path, capsys, handler):
     """Slurm's time limit, scancel and preemption send SIGTERM: the steps the regular
     flushes have not written yet (here: none of the three) are written, with the signal in
     the metadata, and the process still ends by SIGTERM; a handler the script set first is
-    left alone."""
+    left alone; after hpcdp's abort wrote the trace (Open MPI's mpirun then sends SIGTERM),
+    the abort says why the job ended, not the signal."""
     run = str(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "-c", TERMINATED_WRITER, run, handler],
                             stdout=subprocess.PIPE, text=True)
@@ -571,9 +575,14 @@ def test_sigterm_writes_the_trace_then_ends_the_process_as_before(tmp_path, caps
         return
     assert proc.returncode == -signal.SIGTERM
     assert r.of_kind(K.STEP)["step"].tolist() == [0, 1, 2] and not r.complete
-    assert r.meta["terminated"]["signal"] == "SIGTERM"
     assert main(["summary", run]) == 0
-    assert "note: SIGTERM ended rank(s) 0 (a time limit, scancel, preemption" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    if handler == "aborting":
+        assert "terminated" not in r.meta and r.meta["aborted"] == {"rank": 1, "reason": "stall"}
+        assert "note: rank 1 aborted the job: stall" in out and "SIGTERM" not in out
+        return
+    assert r.meta["terminated"]["signal"] == "SIGTERM"
+    assert "note: SIGTERM ended rank(s) 0 (a time limit, scancel, preemption" in out
 
 
 TERMINATED_JOB = TRACED_DDP + """
