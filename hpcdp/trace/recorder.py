@@ -96,9 +96,9 @@ def flush_open(meta: dict, timeout: float = 5.0) -> None:
             except Exception:  # noqa: BLE001 (the abort's message matters, not this)
                 pass
     t = threading.Thread(target=flush_all, name="hpcdp-trace-flush", daemon=True)
-    if "aborted" in meta:
-        _abort_flush = t
     t.start()
+    if "aborted" in meta:
+        _abort_flush = t  # (started: a SIGTERM handler may join it)
     t.join(timeout)
 
 
