@@ -372,12 +372,10 @@ def _shared_calibration(comm, rank: int):
 def _say_shm_refused(rt, free, need: int, capacity: int) -> None:
     where = (f"/dev/shm has {free / 2**20:.0f} MiB free" if free is not None
              else "the free space of /dev/shm is unknown")
-    sys.stderr.write(
-        f"[hpcdp rank {rt.rank} on {rt.hostname}] {where}, and the shared-memory allreduce needs "
-        f"{need / 2**20:.0f} MiB on some node (2 x HPCDP_SHM_BYTES={capacity} x {rt.local_size} "
-        "ranks + 1 MiB): calls that would use it take the ring instead. Give the container more "
-        "shared memory (docker run --shm-size=1g) or lower HPCDP_SHM_BYTES.\n")
-    sys.stderr.flush()
+    _say(rt, f"{where}, and the shared-memory allreduce needs {need / 2**20:.0f} MiB on some node "
+             f"(2 x HPCDP_SHM_BYTES={capacity} x {rt.local_size} ranks + 1 MiB): calls that would use "
+             "it take the ring instead. Give the container more shared memory (docker run "
+             "--shm-size=1g) or lower HPCDP_SHM_BYTES.\n")
 
 
 def _cpu_share(local) -> tuple[int, str]:
