@@ -75,9 +75,10 @@ def _check_settings(rank, world_size, level, flush_every, flush_interval, capaci
 
 
 _abort_flush: threading.Thread | None = None  # the writing for hpcdp's abort, once started
+_FLUSH_WAIT_S = 5.0  # how long the process waits for that writing before it ends
 
 
-def flush_open(meta: dict, timeout: float = 5.0) -> None:
+def flush_open(meta: dict, timeout: float = _FLUSH_WAIT_S) -> None:
     """Write what every recorder of this process still holds, before the process ends
     without ``atexit`` (MPI_Abort, a signal), with ``meta`` in the run metadata (``aborted``:
     which rank ends the job, and why; ``terminated``: the signal): on a thread of its own,
@@ -123,7 +124,7 @@ def _flush_on_sigterm() -> None:
 def _on_sigterm(signum, frame) -> None:
     signal.signal(signum, signal.SIG_DFL)
     if _abort_flush is not None:  # hpcdp aborts the job, and the launcher ends the ranks (Open
-        _abort_flush.join(5.0)    # MPI's mpirun sends SIGTERM): the abort's writing says why
+        _abort_flush.join(_FLUSH_WAIT_S)  # MPI's mpirun sends SIGTERM): the abort's writing says why
     else:
         flush_open({"terminated": {"signal": signal.Signals(signum).name, "unix_ns": time.time_ns()}})
     os.kill(os.getpid(), signum)  # the default action: the process ends by the signal

@@ -498,7 +498,8 @@ def test_a_writer_killed_while_rewriting_its_metadata_leaves_the_committed_one(t
     with the metadata it last committed (longer or shorter than the new one)."""
     run = str(tmp_path / "run")
     code = KILLED_AT_A_METADATA_REWRITE.replace("NEW_META", meta)
-    p = subprocess.run([sys.executable, "-c", code, run], capture_output=True, text=True, timeout=60)
+    p = subprocess.run([sys.executable, "-c", code, run], capture_output=True, text=True, timeout=60,
+                       check=False)
     assert p.returncode == 9, p.stderr
     r = load(run).ranks[0]
     assert r.meta["owner"] == "test" and r.meta["config"] == {"bucket_cap_mb": 25} and "aborted" not in r.meta
@@ -684,11 +685,11 @@ def test_a_real_failed_write_ends_neither_the_training_nor_the_process(tmp_path,
     if how == "full-disk":
         run.mkdir()
         if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(run)],
-                          capture_output=True).returncode != 0:
+                          capture_output=True, check=False).returncode != 0:
             pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         p = subprocess.run([sys.executable, "-c", FAILING_WRITER, str(run / "trace"), how],
-                           capture_output=True, text=True, timeout=100)
+                           capture_output=True, text=True, timeout=100, check=False)
         assert p.returncode == 0 and p.stdout.strip() == "trained True", p.stdout + p.stderr
         assert p.stderr.count("warning: trace") == 1, p.stderr
         r = load(run / "trace").ranks[0]
@@ -696,7 +697,7 @@ def test_a_real_failed_write_ends_neither_the_training_nor_the_process(tmp_path,
         assert r.of_kind(K.STEP)["step"].tolist() == list(range(r.last_step + 1))
     finally:
         if how == "full-disk":
-            subprocess.run(["umount", "-l", str(run)], capture_output=True)
+            subprocess.run(["umount", "-l", str(run)], capture_output=True, check=False)
 
 
 # ---- chrome -----------------------------------------------------------------------
