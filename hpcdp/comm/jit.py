@@ -1,6 +1,6 @@
 """The transport's numba kernels: bfloat16 addition and scaling (:mod:`hpcdp.comm.dtypes`),
-the shared-memory allreduce's one round and segment (:mod:`hpcdp.comm.shm_kernels`, which
-documents them). Imports numba: imported on a kernel's first use, so ``import hpcdp`` stays
+the shared-memory allreduce's one round and segment, and the flag round's poll
+(:mod:`hpcdp.comm.shm_kernels`, which documents them). Imports numba: imported on a kernel's first use, so ``import hpcdp`` stays
 fast.
 
 Every kernel is a module-level function compiled on its first call (per dtype) and cached
@@ -19,7 +19,7 @@ import numpy as np
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["bf16_add", "bf16_scale", "one_round_kernel", "segment_kernel", "CODES"]
+__all__ = ["bf16_add", "bf16_scale", "one_round_kernel", "segment_kernel", "poll_kernel", "CODES"]
 
 #: :func:`one_round_kernel`'s results and stages, :func:`segment_kernel`'s results (the
 #: names of :mod:`hpcdp.comm.shm_kernels`, in the order of its ``CODE_NAMES``)
@@ -170,6 +170,11 @@ def agree(slot, sig, size):
 
 
 # -- the kernels (see hpcdp.comm.shm_kernels) ----------------------------------------------
+@numba.njit(**_OPTS)
+def poll_kernel(seqs, seq, polls):
+    return arrived(seqs, len(seqs), seq, polls)
+
+
 @numba.njit(**_OPTS)
 def one_round_kernel(out, table, seqs, slot, sig, divisor, args):
     # rows are contiguous slices of one span (loops over whole slices vectorise; a

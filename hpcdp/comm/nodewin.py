@@ -25,11 +25,17 @@ from os import sched_yield
 
 import numpy as np
 
+from .shm_kernels import poll
+
 __all__ = ["NodeWindow", "node_round", "SIG_FIELDS", "shm_free_bytes"]
 
 #: fields of a call's signature (kind, length, dtype, op, extra)
 SIG_FIELDS = 5
 _LINE = 64  # bytes: the sequence numbers are padded to a cache line
+#: a waiting rank's compiled polls between its calls into MPI and yields of the core (a
+#: few nanoseconds each; the call and the yield take about a microsecond, in which an
+#: arrival goes unseen: every 1024 polls, a few microseconds, slowed small allreduces)
+SPIN_POLLS = 1 << 15
 _SIG = struct.Struct(f"={SIG_FIELDS}q")
 
 
@@ -45,8 +51,11 @@ def shm_free_bytes(path: str = "/dev/shm") -> int | None:
 class Round:
     """What an operation yields while a flag round is incomplete: the engine tests or waits
     on it like an MPI request (with ``yield_cpu``, :func:`~hpcdp.comm.waiting.complete` calls
-    ``Test`` and yields the core between tests; else ``Wait`` spins, as MPI does, yielding
-    the core every 1024 tests, or every test where the node has more ranks than cores).
+    ``Test`` and yields the core between tests; else ``Wait`` spins, as MPI does, calling
+    into MPI and yielding the core every :data:`SPIN_POLLS` polls, or every poll where the
+    node has more ranks than cores).
+    ``Wait`` polls in compiled code, which releases the GIL
+    (:func:`~hpcdp.comm.shm_kernels.poll`): the rank's other threads run meanwhile.
     While it waits, ``where["late"]`` is the window's :meth:`NodeWindow.late`, which the stall
     watchdog calls to name the ranks that have not arrived (whichever way the wait goes).
 
@@ -75,12 +84,10 @@ class Round:
         return False
 
     def Wait(self) -> None:
-        polls, seqs, seq, mask = 0, self.win._seq_view, self.win.seq, self.win.spin_mask
-        while min(seqs) < seq:
-            polls += 1
-            if polls & mask:
-                continue
-            self.win.poke()
+        win = self.win
+        seqs, seq, polls = win.seqs, win.seq, win.spin_polls
+        while not poll(seqs, seq, polls):
+            win.poke()
             sched_yield()
         self._done()
 
@@ -113,9 +120,10 @@ class NodeWindow:
         self.seq = 0
         self.ctl.Sync()
         node.Barrier()  # every rank's Lock_all is done, and may have needed the others in MPI
-        # polls between yields of the core: 1024 where every rank has a core, else every
-        # poll (a spinning rank would hold the core of the rank it waits for)
-        self.spin_mask = 0x3FF if self.size <= (os.cpu_count() or 1) else 0
+        # compiled polls between calls into MPI and yields of the core: 32768 (tens of
+        # microseconds) where every rank has a core, else one (a spinning rank would hold
+        # the core of the rank it waits for)
+        self.spin_polls = SPIN_POLLS if self.size <= (os.cpu_count() or 1) else 1
         self.win, self.parts, self.capacity, self.segment, self.half = None, None, 0, 0, 0
         self.stride = None  # bytes from one rank's part to the next, when that is constant
         self.round_args = None

@@ -111,7 +111,7 @@ def shm_allreduce_blocking(ctx, window, buf, average: bool, sig=None, small: int
     if window.size == 1 or buf.n == 0:
         return
     if not _one_round_fits(window, buf, small):
-        drive(ctx.MPI, shm_allreduce(ctx, window, buf, average, sig, small, window.spin_mask + 1),
+        drive(ctx.MPI, shm_allreduce(ctx, window, buf, average, sig, small, window.spin_polls),
               ctx.yield_cpu)
         return
     if _compiles(window, buf):
@@ -161,7 +161,7 @@ def run_round(window, plan: RoundPlan, data, MPI, yield_cpu: bool, where: dict) 
     which tells the watchdog through ``where`` who is late). Returns ``None``, or on a
     signature mismatch every rank's signature (nothing is summed; the caller raises, on
     every rank)."""
-    status = _compiled_round(window, plan, data, START, window.spin_mask + 1)
+    status = _compiled_round(window, plan, data, START, window.spin_polls)
     if status == WAITING:
         where["phase"] = "shared-memory allreduce: flag round"
         complete(MPI, Round(window, where), yield_cpu)

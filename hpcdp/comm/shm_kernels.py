@@ -31,6 +31,13 @@ owner-computes path, resumable at each wait:
 4. poll the second round (``WAIT_2``);
 5. copy every other slice j out of row j: ``DONE``.
 
+**The flag round's poll** (:func:`poll`): what a rank waiting for a round does between
+its calls into MPI (:class:`~hpcdp.comm.nodewin.Round`): up to ``polls`` acquire loads of
+every rank's number, without the GIL. Polled in Python, the wait held the GIL, and the
+rank's other threads (the stall watchdog, the trace's writing when the job is aborted) got
+it back once per switch interval (5 ms) after each of their system calls: a trace took
+seconds to write where it takes milliseconds.
+
 ``args[4]`` is where to start (0, or 1-4 after a stop: the step of that number) and
 ``args[5]`` set stops after each round (``AT_1``, ``AT_2``: a level-2 trace times the
 steps apart).
@@ -43,7 +50,7 @@ on disk, like :mod:`hpcdp.compress.kernels`.
 from __future__ import annotations
 
 __all__ = ["ROUND_DTYPES", "WAITING", "SUMMED", "MISMATCH", "ARRIVED", "START", "FINISH", "ARRIVE",
-           "WAIT_1", "AT_1", "WAIT_2", "AT_2", "DONE", "one_round", "segment"]
+           "WAIT_1", "AT_1", "WAIT_2", "AT_2", "DONE", "one_round", "segment", "poll"]
 
 #: dtypes the kernels take (fp16/bf16 averages divide before the sum: numpy's path)
 ROUND_DTYPES = ("float32", "float64", "int32", "int64")
@@ -56,7 +63,7 @@ WAIT_1, AT_1, WAIT_2, AT_2, DONE = 10, 11, 12, 13, 14
 #: once everyone has: a level-2 trace times the round and the sum apart)
 START, FINISH, ARRIVE = 0, 1, 2
 
-_kernels = None  # (one_round, segment), made on first use
+_kernels = None  # (one_round, segment, poll), made on first use
 
 
 def one_round(out, table, seqs, slot, sig, divisor, args) -> int:
@@ -83,15 +90,24 @@ def segment(seg, table, seqs, slot, sig, divisor, args) -> int:
     return _kernels[1](seg, table, seqs, slot, sig, divisor, args)
 
 
+def poll(seqs, seq: int, polls: int) -> bool:
+    """Whether every rank's number in ``seqs`` has reached ``seq``, within ``polls`` acquire
+    loads of each (at least one), without the GIL."""
+    global _kernels
+    if _kernels is None:
+        _kernels = _compile()
+    return _kernels[2](seqs, seq, polls)
+
+
 #: the codes above in :data:`hpcdp.comm.jit.CODES`' order (the compiled kernels' own copies)
 _CODES = (WAITING, SUMMED, MISMATCH, ARRIVED, START, FINISH, ARRIVE, WAIT_1, AT_1, WAIT_2, AT_2, DONE)
 
 
 def _compile():
-    """Both kernels (:mod:`hpcdp.comm.jit`: each compiled at its first call per dtype, or
+    """The kernels (:mod:`hpcdp.comm.jit`: each compiled at its first call per dtype, or
     loaded from numba's disk cache), once their codes are checked against these."""
     from . import jit
     if jit.CODES != _CODES:
         raise RuntimeError(f"hpcdp.comm.jit returns codes {jit.CODES}, hpcdp.comm.shm_kernels "
                            f"expects {_CODES}: the two files disagree (a partial upgrade?)")
-    return jit.one_round_kernel, jit.segment_kernel
+    return jit.one_round_kernel, jit.segment_kernel, jit.poll_kernel

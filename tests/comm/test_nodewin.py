@@ -1,5 +1,8 @@
 """Flag rounds wait by reading shared memory, and must still let MPI make progress: a peer
 may wait in MPI for an answer this rank's MPI owes it (see hpcdp.comm.nodewin.Round)."""
+import sys
+
+import numpy as np
 import pytest
 
 from hpcdp.comm.nodewin import Round
@@ -9,30 +12,50 @@ class PeerNeedsProgress:
     """A window whose peer arrives at the round only after this rank has let MPI make
     progress ``needed`` times (its large message's acknowledgement was pending here)."""
 
-    def __init__(self, needed: int, spin_mask: int):
-        self.seq, self.spin_mask, self.needed, self.pokes = 1, spin_mask, needed, 0
-        self._seq_view = [1, 0]  # this rank has arrived, the peer not yet
+    def __init__(self, needed: int, spin_polls: int):
+        self.seq, self.spin_polls, self.needed, self.pokes = 1, spin_polls, needed, 0
+        self.seqs = np.array([1, 0], np.int64)  # this rank has arrived, the peer not yet
+        self._seq_view = memoryview(self.seqs)
 
     def poke(self):
         self.pokes += 1
         if self.pokes >= self.needed:
-            self._seq_view[1] = 1
+            self.seqs[1] = 1
 
     def late(self):
-        return [1] if self._seq_view[1] < self.seq else []
+        return [1] if self.seqs[1] < self.seq else []
 
 
 @pytest.mark.timeout(20)
-@pytest.mark.parametrize("spin_mask", [0, 0x3FF])
-def test_wait_lets_mpi_progress(spin_mask):
-    win = PeerNeedsProgress(needed=3, spin_mask=spin_mask)
+@pytest.mark.parametrize("spin_polls", [1, 1 << 15])
+def test_wait_lets_mpi_progress(spin_polls):
+    win = PeerNeedsProgress(needed=3, spin_polls=spin_polls)
     Round(win, {}).Wait()  # would spin forever on the flags alone
-    assert win.pokes == 3 and win._seq_view == [1, 1]
+    assert win.pokes == 3 and win.seqs.tolist() == [1, 1]
+
+
+@pytest.mark.timeout(20)
+def test_wait_polls_in_compiled_code_not_python():
+    """Polled in Python, a wait held the GIL: the rank's other threads (the stall watchdog,
+    the trace's writing when the job is aborted) got it 5 ms after each of their system
+    calls, and rank 0's trace took seconds to write, longer than the aborting rank waited
+    for it. The polls now run compiled, without the GIL: between two calls into MPI the
+    wait runs a few Python calls, not a thousand."""
+    win = PeerNeedsProgress(needed=50, spin_polls=1 << 15)
+    Round(win, {}).Wait()  # (compiled, or loaded from numba's cache, before counting)
+    win = PeerNeedsProgress(needed=50, spin_polls=1 << 15)
+    events = []
+    sys.setprofile(lambda frame, event, arg: events.append(event))
+    try:
+        Round(win, {}).Wait()
+    finally:
+        sys.setprofile(None)
+    assert win.pokes == 50 and len(events) < 10 * 50, f"{len(events)} Python events for 50 pokes"
 
 
 @pytest.mark.timeout(20)
 def test_test_lets_mpi_progress_until_complete():
-    win = PeerNeedsProgress(needed=2, spin_mask=0)
+    win = PeerNeedsProgress(needed=2, spin_polls=1)
     r = Round(win, None)
     assert [r.Test(), r.Test(), r.Test(), r.Test()] == [False, False, True, True]
     assert win.pokes == 2  # no MPI call once the round is complete

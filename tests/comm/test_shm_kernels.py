@@ -128,6 +128,25 @@ def test_one_round_sees_a_rank_that_arrives_while_it_spins():
     assert np.all(x == 3.0)
 
 
+def test_poll_sees_a_rank_that_arrives_while_it_spins_without_the_gil():
+    """The flag round's poll (what Round.Wait spins on) loads the numbers anew each time
+    and releases the GIL: a thread of this process (here the late rank) runs meanwhile."""
+    import threading
+    import time
+    seqs = np.array([3, 2, 3], np.int64)
+    assert shm_kernels.poll(seqs, 3, 100) is False
+    assert shm_kernels.poll(seqs, 2, 1) is True
+
+    def late_rank():
+        time.sleep(0.05)
+        seqs[1] = 3
+
+    thread = threading.Thread(target=late_rank)
+    thread.start()
+    assert shm_kernels.poll(seqs, 3, 1 << 31)  # (holding the GIL: False after 2^31 polls)
+    thread.join()
+
+
 # -- the compiled two-round segment -------------------------------------------------------------
 def _segment_call(node, rank, seg, seq, stage, sig=None, divisor=1, stop=0):
     args = np.array([rank, 1, node.stride, seq, stage, stop], np.int64)
@@ -216,7 +235,8 @@ shm_kernels.segment(np.ones(8, np.float32), np.zeros(16, np.float32), np.zeros(1
 bf16 = np.zeros(3, np.uint16)
 host_adder(DTYPES["bfloat16"])(bf16, bf16)
 host_scale(DTYPES["bfloat16"], bf16, 2)
-kernels = (jit.one_round_kernel, jit.segment_kernel, jit.bf16_add, jit.bf16_scale)
+shm_kernels.poll(np.ones(2, np.int64), 1, 1)
+kernels = (jit.one_round_kernel, jit.segment_kernel, jit.poll_kernel, jit.bf16_add, jit.bf16_scale)
 print(json.dumps({k.__name__: [sum(k.stats.cache_hits.values()), sum(k.stats.cache_misses.values())]
                   for k in kernels}))
 """
