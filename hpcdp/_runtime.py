@@ -58,13 +58,16 @@ class _Runtime:
         self.size = self.comm.Get_size()
         self.hostname = MPI.Get_processor_name() or socket.gethostname()
         fake = _fake_node(os.environ.get("HPCDP_FAKE_NODES"), self.rank, self.size)
+        # the ranks that share this rank's machine (its cores and memory)
+        self.machine = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         if fake is None:
-            self.local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+            self.local = self.machine
         else:  # a topology for tests: ranks of one real node split into pretend nodes
             self.local = self.comm.Split(fake, key=self.rank)
             self.hostname = f"{self.hostname}/fake{fake}"
         self.local_rank = self.local.Get_rank()
         self.local_size = self.local.Get_size()
+        self.machine_size = self.machine.Get_size()
         across = os.environ.get("HPCDP_ACROSS") or "auto"
         shm = tuple(os.environ.get(name, "") for name in _SHM_KNOBS)
         everyone = self.comm.allgather((self.hostname, across, shm))
@@ -101,9 +104,10 @@ class _Runtime:
         # device memory where MPI is CUDA-aware: "auto" (the calibration's faster transport
         # per size, see direct()), or "direct" / "staged" at every size
         self.transport = "direct" if self.cuda_aware_how == FORCED else "auto"
-        self.yield_cpu, self.wait_how = decide_wait(self.local_size, os.cpu_count() or 1,
+        # (the machine's ranks, not a pretend node's: they share the cores)
+        self.yield_cpu, self.wait_how = decide_wait(self.machine_size, os.cpu_count() or 1,
                                                     loaded_libmpi())
-        self.cpu_share, self.cpu_share_how = _cpu_share(self.local)
+        self.cpu_share, self.cpu_share_how = _cpu_share(self.machine)
         self.kernel_threads, self.kernel_threads_how = _kernel_threads(
             self.rank, self.cpu_share, self.cpu_share_how)
         self.engine = Engine(self.comm, MPI, mode, self.yield_cpu, thread_setup=_thread_setup)
@@ -126,7 +130,7 @@ class _Runtime:
         if self._node_window is None:
             from .comm.nodewin import NodeWindow
             mine = next(ranks for ranks in self.nodes if self.rank in ranks)
-            self._node_window = NodeWindow(self.local, self.MPI, mine)
+            self._node_window = NodeWindow(self.local, self.MPI, mine, sharing=self.machine_size)
         return self._node_window
 
     def node_data(self):
@@ -138,7 +142,7 @@ class _Runtime:
         if w.win is None and not self._shm_refused:
             from .comm.nodewin import shm_free_bytes
             capacity = self.shm_bytes
-            need = 2 * capacity * self.local_size + (1 << 20)
+            need = 2 * capacity * self.machine_size + (1 << 20)  # (pretend nodes share it)
             free = shm_free_bytes()
             fits = free is None or free >= need
             if self.comm.allreduce(int(fits), op=self.MPI.MIN):
@@ -373,7 +377,7 @@ def _say_shm_refused(rt, free, need: int, capacity: int) -> None:
     where = (f"/dev/shm has {free / 2**20:.0f} MiB free" if free is not None
              else "the free space of /dev/shm is unknown")
     _say(rt, f"{where}, and the shared-memory allreduce needs {need / 2**20:.0f} MiB on some node "
-             f"(2 x HPCDP_SHM_BYTES={capacity} x {rt.local_size} ranks + 1 MiB): calls that would use "
+             f"(2 x HPCDP_SHM_BYTES={capacity} x {rt.machine_size} ranks + 1 MiB): calls that would use "
              "it take the ring instead. Give the container more shared memory (docker run "
              "--shm-size=1g) or lower HPCDP_SHM_BYTES.\n")
 

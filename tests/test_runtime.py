@@ -249,6 +249,31 @@ def test_kernel_threads_split_the_cpus_among_the_ranks_that_share_them(given):
             assert pool == current == threads
 
 
+@pytest.mark.timeout(120)
+def test_pretend_nodes_share_the_machines_cores():
+    """Under HPCDP_FAKE_NODES every pretend node is on this one machine: the CPU share (numba's
+    threads), the wait decision and the flag rounds' spin count the machine's ranks, not the
+    pretend node's. (Counted per pretend node, a rank alone on its node took every core for
+    numba's pool and spun in its waits: 1-bit's kernels took 15-50 ms a call at np = 4 on 2
+    cores, against 0.03 ms.)"""
+    code = ("import json, os, hpcdp; hpcdp.init(); from mpi4py import MPI;"
+            "from hpcdp._runtime import runtime; rt = runtime(); info = hpcdp.info();"
+            "rows = MPI.COMM_WORLD.gather([info['local_size'], info['cpu_share'], info['cpu_share_how'],"
+            " info['wait_how'], rt.node_window().spin_polls, len(os.sched_getaffinity(0))]);"
+            "hpcdp.rank() == 0 and print(json.dumps(rows))")
+    p = run_mpi(3, ["-c", code], timeout=90, env={"HPCDP_FAKE_NODES": "1,2", "I_MPI_PIN": "0"})
+    assert p.returncode == 0, p.stderr
+    rows = [row for line in p.stdout.splitlines() if line.startswith("[[") for row in json.loads(line)]
+    assert len(rows) == 3, p.stdout
+    from hpcdp.comm.nodewin import SPIN_POLLS
+    for rank, (local, share, share_how, wait_how, spin, cpus) in enumerate(rows):
+        what = f"rank {rank}: {rows[rank]}"
+        assert local == (1 if rank == 0 else 2), what
+        assert share == max(1, cpus // 3) and "shared by 3 rank(s)" in share_how, what
+        assert wait_how.startswith("3 ranks on this node"), what
+        assert spin == (SPIN_POLLS if 3 <= (os.cpu_count() or 1) else 1), what
+
+
 def test_hpcdp_across_must_be_known_and_the_same_on_every_rank():
     """(What every rank's init checks on the values all ranks set: a typo or a rank that
     differs would leave a cross-node stage running two algorithms, a hang.)"""

@@ -93,9 +93,11 @@ class Round:
 
 
 class NodeWindow:
-    """Flag rounds and the data halves of one node (see the module docstring)."""
+    """Flag rounds and the data halves of one node (see the module docstring). ``sharing``:
+    the ranks that share the machine's cores (default: the node's; more under
+    ``HPCDP_FAKE_NODES``, whose pretend nodes share one machine)."""
 
-    def __init__(self, node, MPI, world_ranks=None):
+    def __init__(self, node, MPI, world_ranks=None, sharing: int | None = None):
         self.node, self.MPI = node, MPI
         self.world_ranks = world_ranks  # node rank -> job rank, for messages
         self.rank, self.size = node.Get_rank(), node.Get_size()
@@ -123,7 +125,8 @@ class NodeWindow:
         # compiled polls between calls into MPI and yields of the core: 32768 (tens of
         # microseconds) where every rank has a core, else one (a spinning rank would hold
         # the core of the rank it waits for)
-        self.spin_polls = SPIN_POLLS if self.size <= (os.cpu_count() or 1) else 1
+        sharing = self.size if sharing is None else sharing
+        self.spin_polls = SPIN_POLLS if sharing <= (os.cpu_count() or 1) else 1
         self.win, self.parts, self.capacity, self.segment, self.half = None, None, 0, 0, 0
         self.stride = None  # bytes from one rank's part to the next, when that is constant
         self.round_args = None
