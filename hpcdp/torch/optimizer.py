@@ -48,7 +48,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                       find_unused=True, as_view=False,
                                       should_sync=self._hpcdp_count_pass, wait_at_end=False,
                                       compression=compression, frozen=frozen,
-                                      sparse_as_dense=sparse_as_dense)
+                                      sparse_as_dense=sparse_as_dense, learn_sparse=True)
         config = {"bucket_cap_mb": bucket_cap_mb, "first_bucket_mb": first_bucket_mb, "overlap": overlap,
                   "backward_passes_per_step": backward_passes_per_step}
         self._hpcdp_reducer.attach_tracer(
@@ -161,10 +161,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     the average (``step()`` after fewer averages what is there).
     ``compression`` and ``trace``: as for :class:`~hpcdp.DistributedDataParallel`
     (steps run from the first gradient to the end of ``step()``; there is no
-    forward to see). :meth:`close_trace` closes the trace file. ``sparse_as_dense``
-    (Horovod's): a sparse gradient (``nn.Embedding(sparse=True)``) is made dense and averaged
-    in the buckets, and ``.grad`` stays dense (without it, a sparse gradient is an error;
-    :class:`~hpcdp.DistributedDataParallel` averages sparse embeddings' rows as sparse).
+    forward to see). :meth:`close_trace` closes the trace file. A sparse gradient
+    (``nn.Embedding(sparse=True)``) is averaged as Horovod does: the ranks' rows, gathered,
+    summed in rank order and divided by the world size, into a sparse ``.grad``. (The first
+    pass in which a parameter's gradient arrives sparse averages it dense in its bucket, and
+    ``.grad`` gets that average's nonzero rows; every rank then takes the parameter out of
+    the buckets.) ``sparse_as_dense=True`` (Horovod's flag): sparse gradients are made
+    dense and averaged in the buckets, the whole table every step, and ``.grad`` is dense.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{_OWNER} wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")

@@ -44,7 +44,11 @@ at the end of backward its rows are exchanged after the buckets and added to
 
 Sparse embedding weights (the owner's ``sparse``, :mod:`hpcdp.torch.sparse`) are in no
 bucket: their rows are exchanged after the tied rows. When nothing else trains, the
-control tail is a bucket of its own.
+control tail is a bucket of its own. With ``learn_sparse`` (``DistributedOptimizer``, which
+sees no modules), a parameter whose gradient arrives sparse on some rank is averaged dense
+in its bucket that pass, and counted in the control tail as a change: every rank then takes
+it out of the buckets, and from the next pass on its rows are exchanged as the sparse
+embeddings' are (:meth:`Reducer._retarget`).
 """
 from __future__ import annotations
 
@@ -62,6 +66,7 @@ from ..comm import hugepages
 from ..compress import NoCompression, get_compressor, resolve
 from .buckets import BucketSpec, plan_buckets
 from .guard import DivergenceGuard
+from .sparse import SparseGrads
 from ..comm.engine import rank_ranges
 from ..errors import ModelMismatchError, UnusedParametersError
 from ..objects import allgather_object
@@ -187,7 +192,7 @@ class Reducer:
     def __init__(self, named_params, owner: str, *, bucket_cap_mb: float, first_bucket_mb: float,
                  overlap: bool, find_unused: bool, as_view: bool, should_sync, wait_at_end: bool,
                  compression=None, algo=None, frozen=(), rows_outside: bool = False,
-                 sparse_as_dense: bool = False):
+                 sparse_as_dense: bool = False, learn_sparse: bool = False):
         self.rt = runtime(owner)
         self.owner = owner
         self.names = [n for n, _ in named_params]
@@ -195,6 +200,10 @@ class Reducer:
         # gradients outside the buckets (sparse embeddings): a model may train nothing else
         self.rows_outside = rows_outside
         self.sparse_as_dense = sparse_as_dense  # a sparse gradient in a bucket: made dense (Horovod's)
+        # a sparse gradient in a bucket: dense this pass, then its rows (module docstring)
+        self.learn_sparse = learn_sparse and not sparse_as_dense
+        self._sparse_seen: set[int] = set()  # indices whose gradient arrived sparse (not yet out)
+        self._sparse_ids: set[int] = set()   # ids of the parameters taken out of the buckets so
         if not self.params and not rows_outside:
             raise ValueError(f"{owner}: the model has no parameters that require grad")
         if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
@@ -242,6 +251,10 @@ class Reducer:
         self._attach()
         if self.compressor is not None and self.compressor.name == "onebit":
             _watch_optimizer(self)
+
+    def check_param(self, name: str, p: torch.Tensor) -> None:
+        """Refuse a parameter this reducer cannot average (:func:`_check_param`)."""
+        _check_param(self.owner, name, p)
 
     # -- compressed momentum -------------------------------------------------------
     def couple(self, momentum) -> None:
@@ -434,14 +447,17 @@ class Reducer:
             self._begin()
         g = p.grad
         if g.layout != torch.strided:
-            if not self.sparse_as_dense:
+            if self.learn_sparse:
+                self._sparse_seen.add(i)
+            elif not self.sparse_as_dense:
                 raise TypeError(
                     f"{self.owner}: parameter {self.names[i]!r} got a {g.layout} gradient, and its "
                     "gradients are averaged in the buckets, which are dense. Sparse gradients are "
                     "averaged by hpcdp.DistributedDataParallel for the weights of nn.Embedding and "
                     "nn.EmbeddingBag modules that had sparse=True when the model was wrapped (and "
-                    "that no other module uses); hpcdp.DistributedOptimizer(..., "
-                    "sparse_as_dense=True) averages them as dense tensors")
+                    "that no other module uses); hpcdp.DistributedOptimizer averages any "
+                    "parameter's sparse gradient (as rows, or as a dense tensor with "
+                    "sparse_as_dense=True)")
             p.grad = g = g.to_dense()
         b = self.bucket_of[i]
         if not self._sync:
@@ -554,7 +570,7 @@ class Reducer:
             tail[:-1].copy_(torch.tensor(present, dtype=tail.dtype))
         else:
             tail[0] = len(self._missing)
-        tail[-1] = self._frozen_now + sum(p.requires_grad for p in self.frozen)
+        tail[-1] = self._frozen_now + sum(p.requires_grad for p in self.frozen) + len(self._sparse_seen)
 
     # -- end of backward -------------------------------------------------------------------
     def _end_of_backward(self) -> None:
@@ -672,7 +688,7 @@ class Reducer:
         self._reset()
         self.stats["iterations"] += 1
         if changed:
-            self._check_trainable(shadow)
+            sparse = self._check_trainable(shadow)
         if not self.find_unused and tail[0] > 0:
             self._raise_unused(missing)
         present = [t > 0 for t in tail[:-1]] if self.find_unused else None
@@ -698,7 +714,7 @@ class Reducer:
         if self.momentum is not None:
             self.momentum.exchanged()
         if changed:
-            self._retarget(contribute=not shadow)
+            self._retarget(contribute=not shadow, sparse=sparse)
         elif backward and not self._relaid_out:  # every rank alike, whatever reached its hooks
             self._relayout(seen)
 
@@ -733,13 +749,16 @@ class Reducer:
         self.guard.end_iteration()
 
     # -- freezing and unfreezing -----------------------------------------------------------
-    def _check_trainable(self, shadow: bool) -> None:
+    def _check_trainable(self, shadow: bool) -> set[int]:
         """Collective: raise :class:`ModelMismatchError` on every rank unless the ranks that
         train this step have the same parameters requiring grad. A rank that shadows the
-        step inside ``join()`` takes the lowest training rank's flags."""
+        step inside ``join()`` takes the lowest training rank's flags. Returns the
+        parameters whose gradient arrived sparse on some rank (``learn_sparse``)."""
         flags = "".join("1" if p.requires_grad else "0" for _, p in self._watched)
         with model_collectives():
-            everyone = allgather_object((shadow, flags))
+            everyone = allgather_object((shadow, flags, sorted(self._sparse_seen)))
+        sparse = set().union(*(s for _, _, s in everyone))
+        everyone = [(s, f) for s, f, _ in everyone]
         counts = [len(f) for _, f in everyone]
         if len(set(counts)) > 1:
             raise ModelMismatchError(
@@ -753,7 +772,7 @@ class Reducer:
             if shadow:
                 for (_, p), f in zip(self._watched, ours[0]):
                     p.requires_grad_(f == "1")
-            return
+            return sparse
         k = differ[0]
         on = [r for r, f in zip(training, ours) if f[k] == "1"]
         off = [r for r, f in zip(training, ours) if f[k] == "0"]
@@ -777,19 +796,30 @@ class Reducer:
         self._watched += new
         self.frozen += [p for _, p in new]
 
-    def _retarget(self, contribute: bool) -> None:
+    def _retarget(self, contribute: bool, sparse=()) -> None:
         """Collective, after a step in which the trainable set changed alike on every rank
         (steps of the module docstring): average the newly trainable parameters' gradients
         (``contribute``: this rank's, else zeros), then lay the buckets out over the
-        parameters that require grad now."""
-        trainable = [(n, p) for n, p in self._watched if p.requires_grad]
+        parameters that require grad now, without those in ``sparse`` (parameters whose
+        gradient arrived sparse, averaged dense this step: their ``.grad`` is made sparse,
+        and from now on their rows are exchanged, :class:`~hpcdp.torch.sparse.SparseGrads`)."""
+        moving = [(self.names[i], self.params[i]) for i in sorted(sparse)]
+        if moving and self.momentum is not None:
+            raise ValueError(
+                f"rank {self.rt.rank}: {self.owner}: {', '.join(repr(n) for n, _ in moving)} got sparse "
+                f"gradients, and {type(self.momentum).__name__} steps the parameters in the buckets: "
+                "make those embeddings dense (sparse=False), or step them with torch.optim.SGD or "
+                "SparseAdam without compressed momentum")
+        self._sparse_ids |= {id(p) for _, p in moving}
+        self._sparse_seen.clear()
+        trainable = [(n, p) for n, p in self._watched if p.requires_grad and id(p) not in self._sparse_ids]
         if self.momentum is not None:
             raise ValueError(
                 f"rank {self.rt.rank}: {self.owner}: the parameters that require grad changed, and "
                 f"{type(self.momentum).__name__} keeps its momentum per bucket of a fixed set of "
                 "parameters: set requires_grad before building it and keep it while it drives the "
                 "model")
-        if not trainable and not self.rows_outside:
+        if not trainable and not self.rows_outside and not moving:
             raise ValueError(f"rank {self.rt.rank}: {self.owner}: no parameter requires grad any more")
         known = {id(p) for p in self.params}
         self._average([(n, p) for n, p in trainable if id(p) not in known], contribute)
@@ -805,8 +835,24 @@ class Reducer:
         self._relaid_out = False  # the next synchronised pass shows the new order
         self._reset()
         self._attach()
+        if moving:
+            self._rows_from_now_on(moving)
         if self.on_retarget is not None:
             self.on_retarget()
+
+    def _rows_from_now_on(self, named) -> None:
+        """Exchange the rows of ``named`` (parameters out of the buckets, whose gradient
+        arrived sparse) from the next pass on; their ``.grad``, this step's dense average,
+        becomes sparse as the rows' average will be (its rows that are zero left out)."""
+        with torch.no_grad():
+            for _, p in named:
+                if p.grad is not None:
+                    p.grad = p.grad.to_sparse(1).coalesce()
+        if self.sparse is None:
+            self.sparse = SparseGrads(named, self)
+        else:
+            self.sparse.add(named)
+        self.rows_outside = True
 
     def _average(self, named, contribute: bool) -> None:
         """Average each parameter's ``.grad`` (None: zeros) across ranks, one allreduce

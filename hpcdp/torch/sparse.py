@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from .reducer import _check_param
 from .rows import RowsExchange, sum_rows
 
 __all__ = ["SparseGrads", "find"]
@@ -59,8 +58,18 @@ class SparseGrads:
         self.exchange = RowsExchange(reducer.rt, "sparse gradient rows")
         self._hooked = [False] * len(self.weights)
         for name, p in named:
-            _check_param(reducer.owner, name, p)
+            reducer.check_param(name, p)
             p._hpcdp_reducer_owner = reducer.owner
+        self.hook()
+
+    def add(self, named) -> None:
+        """Exchange the rows of the weights ``named`` too (from the next pass on)."""
+        self.names += [n for n, _ in named]
+        self.weights += [p for _, p in named]
+        self._hooked += [False] * len(named)
+        for name, p in named:
+            self.reducer.check_param(name, p)
+            p._hpcdp_reducer_owner = self.reducer.owner
         self.hook()
 
     def __bool__(self) -> bool:

@@ -1,5 +1,6 @@
 """Sparse embeddings (``nn.Embedding`` / ``nn.EmbeddingBag`` with ``sparse=True``) under
-DistributedDataParallel, mpirun np = 1, 2, 3, 4. Every assertion holds on every rank.
+DistributedDataParallel and DistributedOptimizer, mpirun np = 1, 2, 3, 4. Every assertion
+holds on every rank.
 
 The reference is the same model trained in one process on the whole global batch
 (float64, uneven shares of 13 samples; each rank's summed loss is scaled by
@@ -234,9 +235,89 @@ def test_a_table_made_sparse_after_wrapping_is_named(world):
     assert_nothing_in_flight(world)  # the head's bucket, launched before, is not in the way
 
 
+def _distributed(opt, model, **kwargs):
+    return hpcdp.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kwargs)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-sgd", "sparse-adam-and-sgd"])
+def test_distributed_optimizer_averages_sparse_gradients_as_rows_like_one_process(world, split):
+    """Horovod's default: DistributedOptimizer (no modules to look at) averages the tables'
+    first sparse gradients dense in their buckets, takes the tables out, and exchanges their
+    rows from the second step on; .grad is sparse at every step (SparseAdam takes nothing
+    else) and training equals one process. (Before: TypeError at the first backward.)"""
+    ref, model = _Ranker(), _Ranker()
+    if split:  # SparseAdam for the tables, SGD with momentum for the head: two wrappers
+        opts = [_distributed(o, model) for o in _optimizers(model)]
+        ref_opts = _optimizers(ref)
+    else:
+        opts = [_distributed(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)]
+        ref_opts = [torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)]
+    for step, (inputs, y) in enumerate(_ranker_batches()):
+        for o in opts + ref_opts:
+            o.zero_grad()
+        local, ly, scale = _local(world, inputs, y)
+        _ranker_loss(model(*local), ly, scale).backward()
+        _ranker_loss(ref(*inputs), y, 1.0 / B).backward()
+        for o in opts:
+            o.synchronize()  # (step() then finds nothing left to average)
+        for name in ("ids.weight", "bag.weight"):
+            g = model.get_parameter(name).grad
+            assert g.is_sparse and g.is_coalesced(), f"step {step}, {name}: {g.layout}"
+        for o in opts + ref_opts:
+            o.step()
+        _assert_close(model, ref, step)
+    _gather_equal(world, hpcdp.check_replicas(model))
+    layouts = [o._hpcdp_reducer.layout() for o in opts]
+    assert layouts == ([[[]], [["head.bias", "head.weight"]]] if split else [[["head.bias", "head.weight"]]])
+    for o in opts:
+        assert o._hpcdp_reducer.stats["iterations"] == STEPS
+
+
+def test_distributed_optimizer_accumulates_sparse_passes_then_averages_their_rows(world):
+    """backward_passes_per_step=2: the first pass (not averaged) meets the sparse gradients
+    and accumulates them dense; the step averages them in the buckets and takes the tables
+    out; from then on two passes' rows add up locally and one exchange averages them."""
+    ref, model = _SkipGram(), _SkipGram()
+    opt = _distributed(torch.optim.SGD(model.parameters(), lr=0.5), model, backward_passes_per_step=2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    batches = _skipgram_batches() + _skipgram_batches(seed=3)
+    for step in range(STEPS):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for inputs, y in batches[2 * step:2 * step + 2]:
+            local, ly, scale = _local(world, inputs, y)
+            _skipgram_loss(model(*local), ly, scale).backward()
+            _skipgram_loss(ref(*inputs), y, 1.0 / B).backward()
+        opt.step()
+        assert all(p.grad.is_sparse for p in model.parameters()), f"step {step}"
+        ref_opt.step()
+        _assert_close(model, ref, step)
+    assert opt._hpcdp_reducer.layout() == [[]]
+    assert opt._hpcdp_reducer.stats["iterations"] == STEPS
+    _gather_equal(world, hpcdp.check_replicas(model))
+
+
+def test_distributed_optimizer_inside_join_a_rank_that_ran_out_sends_no_rows(world):
+    """Tables learned sparse in the first step, then a rank runs out: it shadows the others'
+    steps without rows, and every replica leaves the context identical."""
+    rank, size = world.Get_rank(), world.Get_size()
+    model = _SkipGram()
+    opt = _distributed(torch.optim.SGD(model.parameters(), lr=0.5), model)
+    batches = _skipgram_batches()[:1 if rank == 0 else 3]
+    with opt.join() as joined:
+        for inputs, y in batches:
+            local, ly, scale = _local(world, inputs, y)
+            opt.zero_grad()
+            _skipgram_loss(model(*local), ly, scale).backward()
+            opt.step()
+    assert joined.shadowed == (2 if rank == 0 and size > 1 else 0)
+    assert opt._hpcdp_reducer.layout() == [[]]
+    _gather_equal(world, hpcdp.check_replicas(model))
+
+
 def test_distributed_optimizer_averages_sparse_gradients_as_dense_when_asked(world):
     """Horovod's ``sparse_as_dense=True``: the tables' gradients become dense in the buckets,
-    and training equals one process; without it, the first backward names the way."""
+    and training equals one process."""
     ref, model = _Ranker(), _Ranker()
     opt = hpcdp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                      named_parameters=model.named_parameters(), sparse_as_dense=True)
@@ -252,11 +333,7 @@ def test_distributed_optimizer_averages_sparse_gradients_as_dense_when_asked(wor
         ref_opt.step()
         _assert_close(model, ref, step)
     _gather_equal(world, hpcdp.check_replicas(model))
-    other = _Ranker()
-    hpcdp.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1),
-                               named_parameters=other.named_parameters())
-    with pytest.raises(TypeError, match="sparse_as_dense=True\\) averages them as dense tensors"):
-        _ranker_loss(other(*local), ly, scale).backward()
+    assert {"bag.weight", "ids.weight"} <= {n for b in opt._hpcdp_reducer.layout() for n in b}
 
 
 def test_tables_frozen_when_wrapped_and_unfrozen_later_are_averaged(world):
