@@ -224,22 +224,29 @@ def test_runtime_thread_setup_gives_the_callers_torch_and_numba_thread_counts():
     assert (torch_seen, numba_seen) == (wanted, "1")
 
 
+def _every_rank(np_: int, setup: str, fields: str, env: dict) -> list:
+    """Every rank's ``[fields]`` (Python expressions over ``info = hpcdp.info()`` and what
+    ``setup`` defines) from a job of ``np_`` ranks, in rank order. (Intel MPI's mpirun binds
+    each rank to its own cores unless I_MPI_PIN=0: then no CPU is shared.)"""
+    code = (f"import json, os, hpcdp; hpcdp.init(); from mpi4py import MPI; {setup} info = hpcdp.info();"
+            f"rows = MPI.COMM_WORLD.gather([{fields}]);"
+            "hpcdp.rank() == 0 and print(json.dumps(rows))")  # one line: the ranks' would interleave
+    p = run_mpi(np_, ["-c", code], timeout=90, env={**env, "I_MPI_PIN": "0"})
+    assert p.returncode == 0, p.stderr
+    rows = [row for line in p.stdout.splitlines() if line.startswith("[[") for row in json.loads(line)]
+    assert len(rows) == np_, p.stdout
+    return rows
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("given", [None, "1"])
 def test_kernel_threads_split_the_cpus_among_the_ranks_that_share_them(given):
     """Two ranks on one node: numba's pool gets the rank's CPUs / 2 (at least 1), set before
-    numba is imported, unless NUMBA_NUM_THREADS is given (empty counts as unset). (Intel
-    MPI's mpirun binds each rank to its own cores unless I_MPI_PIN=0: then no CPU is shared.)"""
-    code = ("import json, os, hpcdp; hpcdp.init(); import numba; from mpi4py import MPI;"
-            "info = hpcdp.info();"
-            "rows = MPI.COMM_WORLD.gather([info['kernel_threads'], info['kernel_threads_how'],"
-            " numba.config.NUMBA_NUM_THREADS, numba.get_num_threads(), len(os.sched_getaffinity(0)),"
-            " info['cpu_share']]);"
-            "hpcdp.rank() == 0 and print(json.dumps(rows))")  # one line: the ranks' would interleave
-    p = run_mpi(2, ["-c", code], timeout=90, env={"NUMBA_NUM_THREADS": given or "", "I_MPI_PIN": "0"})
-    assert p.returncode == 0, p.stderr
-    rows = [row for line in p.stdout.splitlines() if line.startswith("[[") for row in json.loads(line)]
-    assert len(rows) == 2, p.stdout
+    numba is imported, unless NUMBA_NUM_THREADS is given (empty counts as unset)."""
+    rows = _every_rank(2, "import numba;",
+                       "info['kernel_threads'], info['kernel_threads_how'], numba.config.NUMBA_NUM_THREADS,"
+                       " numba.get_num_threads(), len(os.sched_getaffinity(0)), info['cpu_share']",
+                       {"NUMBA_NUM_THREADS": given or ""})
     for threads, how, pool, current, cpus, share in rows:
         assert share == max(1, cpus // 2)  # what hpcdp.train gives torch, whatever numba gets
         if given:
@@ -256,15 +263,10 @@ def test_pretend_nodes_share_the_machines_cores():
     pretend node's. (Counted per pretend node, a rank alone on its node took every core for
     numba's pool and spun in its waits: 1-bit's kernels took 15-50 ms a call at np = 4 on 2
     cores, against 0.03 ms.)"""
-    code = ("import json, os, hpcdp; hpcdp.init(); from mpi4py import MPI;"
-            "from hpcdp._runtime import runtime; rt = runtime(); info = hpcdp.info();"
-            "rows = MPI.COMM_WORLD.gather([info['local_size'], info['cpu_share'], info['cpu_share_how'],"
-            " info['wait_how'], rt.node_window().spin_polls, len(os.sched_getaffinity(0))]);"
-            "hpcdp.rank() == 0 and print(json.dumps(rows))")
-    p = run_mpi(3, ["-c", code], timeout=90, env={"HPCDP_FAKE_NODES": "1,2", "I_MPI_PIN": "0"})
-    assert p.returncode == 0, p.stderr
-    rows = [row for line in p.stdout.splitlines() if line.startswith("[[") for row in json.loads(line)]
-    assert len(rows) == 3, p.stdout
+    rows = _every_rank(3, "from hpcdp._runtime import runtime; rt = runtime();",
+                       "info['local_size'], info['cpu_share'], info['cpu_share_how'], info['wait_how'],"
+                       " rt.node_window().spin_polls, len(os.sched_getaffinity(0))",
+                       {"HPCDP_FAKE_NODES": "1,2"})
     from hpcdp.comm.nodewin import SPIN_POLLS
     for rank, (local, share, share_how, wait_how, spin, cpus) in enumerate(rows):
         what = f"rank {rank}: {rows[rank]}"

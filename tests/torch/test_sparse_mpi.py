@@ -92,6 +92,10 @@ def _optimizers(model):
     return opts
 
 
+def _distributed(opt, model, **kwargs):
+    return hpcdp.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kwargs)
+
+
 def _train_like_one_process(world, build, batches, loss, device="cpu", tol=TIGHT, **ddp_args):
     ref, model = build(), build().to(device)
     ddp = hpcdp.DistributedDataParallel(model, **ddp_args)
@@ -184,19 +188,29 @@ def test_tables_unused_on_some_ranks_count_as_no_rows(world):
     assert model.never.weight.grad is None
 
 
-def test_inside_join_a_rank_that_ran_out_sends_no_rows(world):
+@pytest.mark.parametrize("wrapper", ["ddp", "optimizer"])
+def test_inside_join_a_rank_that_ran_out_sends_no_rows(world, wrapper):
+    """(DistributedOptimizer: the tables are learned sparse in the first step, before rank 0
+    runs out.)"""
     rank, size = world.Get_rank(), world.Get_size()
     model = _SkipGram()
-    ddp = hpcdp.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    if wrapper == "ddp":
+        ddp = forward = hpcdp.DistributedDataParallel(model)
+        context = ddp.join(optimizer=opt)
+    else:
+        forward, opt = model, _distributed(opt, model)
+        context = opt.join()
     batches = _skipgram_batches()[:1 if rank == 0 else 3]
-    with ddp.join(optimizer=opt) as joined:
+    with context as joined:
         for inputs, y in batches:
             local, ly, scale = _local(world, inputs, y)
             opt.zero_grad()
-            _skipgram_loss(ddp(*local), ly, scale).backward()
+            _skipgram_loss(forward(*local), ly, scale).backward()
             opt.step()
     assert joined.shadowed == (2 if rank == 0 and size > 1 else 0)
+    if wrapper == "optimizer":
+        assert opt._hpcdp_reducer.layout() == [[]]
     _gather_equal(world, hpcdp.check_replicas(model))
 
 
@@ -233,10 +247,6 @@ def test_a_table_made_sparse_after_wrapping_is_named(world):
                                         "gradients are averaged in the buckets"):
         _ranker_loss(ddp(*local), ly, scale).backward()
     assert_nothing_in_flight(world)  # the head's bucket, launched before, is not in the way
-
-
-def _distributed(opt, model, **kwargs):
-    return hpcdp.DistributedOptimizer(opt, named_parameters=model.named_parameters(), **kwargs)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["one-sgd", "sparse-adam-and-sgd"])
@@ -294,24 +304,6 @@ def test_distributed_optimizer_accumulates_sparse_passes_then_averages_their_row
         _assert_close(model, ref, step)
     assert opt._hpcdp_reducer.layout() == [[]]
     assert opt._hpcdp_reducer.stats["iterations"] == STEPS
-    _gather_equal(world, hpcdp.check_replicas(model))
-
-
-def test_distributed_optimizer_inside_join_a_rank_that_ran_out_sends_no_rows(world):
-    """Tables learned sparse in the first step, then a rank runs out: it shadows the others'
-    steps without rows, and every replica leaves the context identical."""
-    rank, size = world.Get_rank(), world.Get_size()
-    model = _SkipGram()
-    opt = _distributed(torch.optim.SGD(model.parameters(), lr=0.5), model)
-    batches = _skipgram_batches()[:1 if rank == 0 else 3]
-    with opt.join() as joined:
-        for inputs, y in batches:
-            local, ly, scale = _local(world, inputs, y)
-            opt.zero_grad()
-            _skipgram_loss(model(*local), ly, scale).backward()
-            opt.step()
-    assert joined.shadowed == (2 if rank == 0 and size > 1 else 0)
-    assert opt._hpcdp_reducer.layout() == [[]]
     _gather_equal(world, hpcdp.check_replicas(model))
 
 
