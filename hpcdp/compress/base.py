@@ -50,9 +50,14 @@ class BucketState:
 
     Stateless compressors use it as is; :class:`~hpcdp.compress.memory.OneBitState`
     adds the error-feedback residuals and a step counter.
+
+    ``absent``: in the next call this rank has no data (it shadows a step inside
+    ``join()``): it contributes an exact zero, and the per-rank memory that its own data
+    feeds (1-bit's worker residual, PowerSGD's error memory) stays as it is. Its step
+    still counts, so the warm-up ends with the other ranks'.
     """
 
-    __slots__ = ("name", "numel", "world_size", "rank")
+    __slots__ = ("name", "numel", "world_size", "rank", "absent")
     kind = "bucket"
 
     def __init__(self, name, numel, world_size, rank):
@@ -66,6 +71,7 @@ class BucketState:
         self.numel = int(numel)
         self.world_size = int(world_size)
         self.rank = int(rank)
+        self.absent = False
 
     def __repr__(self):
         return (

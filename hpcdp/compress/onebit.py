@@ -92,7 +92,9 @@ class OneBit(Compressor):
         n, world = state.numel, state.world_size
         compressed = self.is_compressing(state)
         out = self._frames_out(out, world, self.frame_nbytes(n, world, compressed=compressed), state, x)
-        if compressed:
+        if compressed and state.absent:
+            out[...] = 0  # every scale 0: an exact zero; the worker residual stays
+        elif compressed:
             self._pack(x, state.worker_residual, valid_counts(n, world), out)
         else:
             flat = xp.float32_view(out)

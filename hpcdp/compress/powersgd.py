@@ -21,6 +21,9 @@ them; a flat buffer without shapes is one near-square matrix), over N ranks:
 6. ``M_hat = P Q^T / N``, ``error = M - M_hat``; the bucket becomes ``M_hat`` (and
    the uncompressed sums / N) on every rank (:meth:`decode`), the same bits.
 
+A rank whose state is ``absent`` (it shadows a step inside ``join()``) sends zeros in
+both sums and keeps its error memory; it still builds the approximation and the ``Q``.
+
 Bytes per rank per compressed step: the ring's 2(N-1)/N of
 ``4 * (sum (n + m) r + uncompressed elements)``; e.g. mlp-large at r = 4: 0.5 %
 of float32. Computed with torch on the buffer's device (numpy buffers are used
@@ -172,8 +175,10 @@ class PowerSGD(Compressor):
         compressed, plain = self._plan(state)
         self._ready(state, x, compressed)
         r, kernels = self.rank, self._kernels(x)
-        out = torch.empty(sum(n * r for _, n, _ in compressed) + sum(s for _, s in plain),
-                          dtype=torch.float32, device=x.device)
+        size = sum(n * r for _, n, _ in compressed) + sum(s for _, s in plain)
+        if state.absent:  # (an exact zero; the error memory stays)
+            return torch.zeros(size, dtype=torch.float32, device=x.device)
+        out = torch.empty(size, dtype=torch.float32, device=x.device)
         pos = 0
         for (off, n, m), qt in zip(compressed, state.qs):  # the error memory becomes M
             grad, error, p = x[off:off + n * m].view(n, m), state.error[off:off + n * m].view(n, m), \
@@ -200,6 +205,8 @@ class PowerSGD(Compressor):
             starts.append(starts[-1] + n * r)
         ps = [p[a:b].view(-1, r) for a, b in zip(starts, starts[1:])]
         _orthonormalise(ps)
+        if state.absent:
+            return out.zero_()
         pos_q = 0
         for (off, n, m), pm in zip(compressed, ps):  # Q^T = P^T M: BLAS reads M row by row
             torch.mm(pm.t(), state.error[off:off + n * m].view(n, m),
@@ -212,6 +219,7 @@ class PowerSGD(Compressor):
         x = _as_tensor(data)
         compressed, plain = self._plan(state)
         r, scale, kernels = self.rank, 1.0 / world_size if average else 1.0, self._kernels(x)
+        kept = state.error.clone() if state.absent else None  # (the same approximation's bits)
         pos_p = pos_q = 0
         for i, (off, n, m) in enumerate(compressed):
             qm = q[pos_q:pos_q + m * r].view(r, m)
@@ -229,6 +237,8 @@ class PowerSGD(Compressor):
         for off, size in plain:
             x[off:off + size] = p[pos_p:pos_p + size] * scale if scale != 1.0 else p[pos_p:pos_p + size]
             pos_p += size
+        if kept is not None:
+            state.error.copy_(kept)
         state.step += 1
 
     def skip(self, state) -> None:

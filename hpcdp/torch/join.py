@@ -28,8 +28,11 @@ With ``throw_on_early_termination=True`` the first round in which some ranks hav
 joined while others still train raises :class:`~hpcdp.errors.UnevenInputsError` on
 every rank instead (to end an epoch at the shortest rank's length).
 
-Compressors that keep per-rank state (1-bit residuals, PowerSGD's memories and the
-compressed-momentum optimizers) cannot contribute an exact zero and are refused.
+With 1-bit or PowerSGD buckets a shadowing rank contributes an exact zero too, and keeps
+the per-rank memory its own data feeds (1-bit's worker residual, PowerSGD's error memory)
+as it is (the codec state's ``absent``); what it computes for the others (1-bit's server
+residual, PowerSGD's ``Q``) goes on. The compressed-momentum optimizers (:mod:`hpcdp.optim`)
+keep a local momentum per bucket that a rank without data cannot step: they are refused.
 """
 from __future__ import annotations
 
@@ -37,20 +40,12 @@ import numpy as np
 
 from .._runtime import model_collectives
 from ..comm.engine import rank_ranges
-from ..compress.base import RingCompressor
 from ..errors import MismatchError, UnevenInputsError
 from .functions import broadcast_optimizer_state, broadcast_tensors
 
-__all__ = ["Join", "shadows_exactly"]
+__all__ = ["Join"]
 
 _TRAINS, _SYNCS, _BACKWARD = 1, 2, 4  # one byte per rank in a join round
-
-
-def shadows_exactly(compressor) -> bool:
-    """Whether a rank without data can contribute an exact zero through ``compressor`` (a
-    compressor object or None): stateless ring codecs can; 1-bit and PowerSGD keep per-rank
-    state (residuals, memories) and cannot."""
-    return compressor is None or isinstance(compressor, RingCompressor)
 
 
 class Join:
@@ -77,7 +72,7 @@ class Join:
         self.last_rank = None
         self._last_root = None
         self._uneven = False
-        self._refuse_stateful_codecs()
+        self._refuse_compressed_momentum()
         rt = reducer.rt
         self._mine = np.zeros(1, dtype=np.uint8)
         self._flags = np.zeros(rt.size, dtype=np.uint8)
@@ -85,19 +80,16 @@ class Join:
         self._name = f"{reducer.owner}.join round"
         self._allgather = lambda: rt.comm.Allgather(self._mine, self._flags)
 
-    def _refuse_stateful_codecs(self) -> None:
+    def _refuse_compressed_momentum(self) -> None:
         reducer = self.reducer
-        if reducer.momentum is not None:
-            name = type(reducer.momentum).__name__
-        elif shadows_exactly(reducer.compressor):
+        if reducer.momentum is None:
             return
-        else:
-            name = reducer.compressor.name
+        name = type(reducer.momentum).__name__
         raise NotImplementedError(
-            f"rank {reducer.rt.rank}: {reducer.owner}.join(): {name!r} keeps per-rank state "
-            "(residuals, memories) that a rank without data cannot contribute as an exact zero; "
-            "give every rank the same number of batches (e.g. drop the last partial share) or "
-            "use compression None, 'fp16' or 'bf16' with join()")
+            f"rank {reducer.rt.rank}: {reducer.owner}.join(): {name!r} keeps a local momentum per "
+            "bucket that a rank without data cannot step; give every rank the same number of "
+            "batches (e.g. drop the last partial share), or use torch's optimizer with "
+            "compression 'onebit' or 'powersgd' (or none, 'fp16', 'bf16') with join()")
 
     # -- the context -------------------------------------------------------------------
     def __enter__(self):

@@ -550,6 +550,7 @@ class Reducer:
             grads = t[:b.spec.numel] if b.tail is not None else t
             state = self.rt.codec_states.get(comp, self.state_prefix + name, grads.numel(),
                                              [self.params[i].shape for i in b.members])
+            state.absent = self._shadow  # (a rank that has joined: an exact zero, its memory kept)
             self.guard.before(index, grads)
             b.codec = (comp, state, grads)
             b.payload = comp.payload_nbytes(grads.numel(), self.rt.size, state)

@@ -144,7 +144,7 @@ def test_one_rank_and_horovods_fp16_flag_inside_join():
     (["--modes", "hpcdp,naive"], "--modes takes names from"),
     (["--compression", "zip"], "--compression"),
     (["--model", "gpt2-mini", "--seq-len", "4096"], "4096"),
-    (["--join", "--compression", "none,powersgd:2"], "--join takes no onebit or powersgd"),
+    (["--join", "--compression", "none,onebit"], "--join takes no onebit"),
 ])
 def test_bad_arguments_exit_2_with_the_reason(args, message):
     p = synthetic(2, *args, "--batch-size", "1", "--num-iters", "1", "--num-warmup-batches", "0",

@@ -243,7 +243,7 @@ def check_powersgd(rt):
 def check_ddp(rt):
     """DDP buckets compressed by 1-bit and PowerSGD over two_level train as far as the
     uncompressed run (loss on the whole batch within 10 %), and the replicas stay the same
-    bits."""
+    bits, also after a join() in which rank 0 shadows two steps."""
     import torch
     rank, size = rt.rank, rt.size
     g = torch.Generator().manual_seed(1)
@@ -265,6 +265,15 @@ def check_ddp(rt):
         assert final[comp] < 1.1 * final[None], \
             f"{what}: loss {final[comp]:.3f}, uncompressed {final[None]:.3f}"
         assert len(set(rt.comm.allgather(hpcdp.check_replicas(model)))) == 1, f"{what}: replicas differ"
+        with ddp.join(optimizer=opt) as joined:  # rank 0 runs out first and shadows two steps
+            for _ in range(1 if rank == 0 else 3):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(ddp(x[rank::size]), y[rank::size]).backward()
+                opt.step()
+        assert joined.shadowed == (2 if rank == 0 else 0), f"{what}: shadowed {joined.shadowed}"
+        assert all(torch.isfinite(p).all() for p in model.parameters()), f"{what}: after join()"
+        assert len(set(rt.comm.allgather(hpcdp.check_replicas(model)))) == 1, \
+            f"{what}: replicas differ after join()"
 
 
 def check_steps(rt):

@@ -309,6 +309,34 @@ def test_onebit_numba_matches_numpy_simulation():
         assert np.array_equal(np.sign(oa[0]), np.sign(ob[0]))  # same sign bits decoded
 
 
+@pytest.mark.parametrize("warmup", [0, 1], ids=["compressing", "warm-up-then-compressing"])
+def test_an_absent_rank_contributes_an_exact_zero_and_keeps_its_worker_residual(warmup):
+    """A rank that shadows a step inside join() (its state ``absent``, its bucket zeros)
+    gives the others what a rank with zeros and no residual would, bit for bit; its own
+    worker residual stays, its server residual goes on as a server's does, its step counts."""
+    n, world = 5003, 3
+    rng = np.random.default_rng(7)
+    comp = OneBit(warmup_steps=warmup)
+    states = [OneBitState("b", n, world, r) for r in range(world)]
+    for _ in range(warmup + 1):  # (every rank's residuals nonzero after a compressed step)
+        simulate_onebit_allreduce([rng.standard_normal(n).astype(np.float32) for _ in range(world)],
+                                  states, comp)
+    arrays = [np.zeros(n, np.float32)] + [rng.standard_normal(n).astype(np.float32) for _ in range(world - 1)]
+    zeroed = [OneBitState("b", n, world, r) for r in range(world)]
+    for st, z in zip(states, zeroed):
+        z.load_state_dict(st.state_dict())
+    zeroed[0].worker_residual[:] = 0
+    kept = states[0].worker_residual.copy()
+    assert np.abs(kept).max() > 0
+    states[0].absent = True
+    got = simulate_onebit_allreduce([a.copy() for a in arrays], states, comp)
+    want = simulate_onebit_allreduce([a.copy() for a in arrays], zeroed, comp)
+    assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    assert np.array_equal(states[0].worker_residual, kept)
+    assert np.array_equal(states[0].server_residual, zeroed[0].server_residual)
+    assert [st.step for st in states] == [warmup + 2] * world
+
+
 def test_onebit_server_keeps_its_scratch_and_its_bits():
     """The server's mean buffer is made once per state and reused: the outputs of a run
     equal those of a run whose states lose their scratch before every step."""

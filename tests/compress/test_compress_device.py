@@ -245,7 +245,8 @@ def _run_onebit(comp, xs, states, to_tensor):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n,world", [(0, 2), (1, 4), (9, 3), (1001, 1), (1001, 3), (70_001, 4)])
 def test_torch_onebit_matches_host_over_steps(device, n, world):
-    """Frames, server frames, outputs and both residuals, step after step (warm-up first)."""
+    """Frames, server frames, outputs and both residuals, step after step (warm-up first;
+    at step 2 rank 0 is absent: it shadows the step inside join())."""
     dev = _device(device)
     host, ours = OneBit(warmup_steps=1), OneBit(warmup_steps=1).to_torch()
     assert isinstance(ours, OneBit) and ours.impl == "torch" and ours.warmup_steps == 1
@@ -257,6 +258,10 @@ def test_torch_onebit_matches_host_over_steps(device, n, world):
         xs = [(rng.standard_normal(n) + 0.3).astype(np.float32) for _ in range(world)]
         if step == 3 and n > 1:
             xs[world - 1][n - 1] = np.inf  # the last chunk goes non-finite on every rank
+        for st in (h_states[0], t_states[0], sim_states[0]):
+            st.absent = step == 2
+        if step == 2:
+            xs[0][:] = 0
         h_frames, h_gathered, h_outs = _run_onebit(host, xs, h_states, lambda a: a)
         t_frames, t_gathered, t_outs = _run_onebit(ours, xs, t_states, lambda a: _t(a, dev))
         sim_outs, _, sim_gathered = simulate_onebit_allreduce(xs, sim_states, host,

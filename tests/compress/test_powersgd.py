@@ -105,6 +105,32 @@ def test_state_dict_round_trip_continues_bit_for_bit():
         PowerSGDState("b", NUMEL, 1, 0, shapes=[(3, 3)])
 
 
+@pytest.mark.parametrize("impl", ["numba", "torch"])
+def test_an_absent_rank_sends_zeros_and_keeps_its_error_memory(impl):
+    """A rank that shadows a step inside join() (its state ``absent``, its bucket zeros)
+    gives the others what a rank with zeros and no error memory would, bit for bit, and
+    gets the same output; its error memory stays, its ``Q`` and step go on with the others'."""
+    comp, world = PowerSGD(rank=2, start_steps=1, impl=impl), 3
+    states = [comp.new_state(NUMEL, world, r, shapes=SHAPES) for r in range(world)]
+    for step in range(2):  # (exact, then compressed: every error memory nonzero)
+        simulate_powersgd_allreduce(_arrays(world, step), states, comp)
+    zeroed = [comp.new_state(NUMEL, world, r) for r in range(world)]
+    for st, z in zip(states, zeroed):
+        z.load_state_dict(st.state_dict())
+    zeroed[0].error.zero_()
+    kept = states[0].error.clone()
+    assert kept.abs().max() > 0
+    arrays = _arrays(world, 2)
+    arrays[0][:] = 0
+    states[0].absent = True
+    got = simulate_powersgd_allreduce([a.copy() for a in arrays], states, comp)
+    want = simulate_powersgd_allreduce([a.copy() for a in arrays], zeroed, comp)
+    assert all(np.array_equal(g, w) for g, w in zip(got, want))
+    assert torch.equal(states[0].error, kept)
+    assert all(torch.equal(a, b) for a, b in zip(states[0].qs, zeroed[0].qs))
+    assert [st.step for st in states] == [3] * world
+
+
 def test_outer_product_in_row_blocks():
     """A tall factor product is computed in blocks of rows on the CPU: the product still."""
     g = torch.Generator().manual_seed(3)
