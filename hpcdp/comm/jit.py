@@ -1,7 +1,7 @@
 """The transport's numba kernels: bfloat16 addition and scaling (:mod:`hpcdp.comm.dtypes`),
 the shared-memory allreduce's one round and segment, and the flag round's poll
-(:mod:`hpcdp.comm.shm_kernels`, which documents them). Imports numba: imported on a kernel's first use, so ``import hpcdp`` stays
-fast.
+(:mod:`hpcdp.comm.shm_kernels`, which documents them). Imports numba: imported on a
+kernel's first use, so ``import hpcdp`` stays fast.
 
 Every kernel is a module-level function compiled on its first call (per dtype) and cached
 on disk (``cache=True``: ``__pycache__`` beside this file, or ``NUMBA_CACHE_DIR``), so a

@@ -203,7 +203,6 @@ class Reducer:
         # a sparse gradient in a bucket: dense this pass, then its rows (module docstring)
         self.learn_sparse = learn_sparse and not sparse_as_dense
         self._sparse_seen: set[int] = set()  # indices whose gradient arrived sparse (not yet out)
-        self._sparse_ids: set[int] = set()   # ids of the parameters taken out of the buckets so
         if not self.params and not rows_outside:
             raise ValueError(f"{owner}: the model has no parameters that require grad")
         if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
@@ -811,9 +810,9 @@ class Reducer:
                 f"gradients, and {type(self.momentum).__name__} steps the parameters in the buckets: "
                 "make those embeddings dense (sparse=False), or step them with torch.optim.SGD or "
                 "SparseAdam without compressed momentum")
-        self._sparse_ids |= {id(p) for _, p in moving}
         self._sparse_seen.clear()
-        trainable = [(n, p) for n, p in self._watched if p.requires_grad and id(p) not in self._sparse_ids]
+        outside = {id(p) for _, p in moving} | {id(p) for p in (self.sparse.weights if self.sparse else ())}
+        trainable = [(n, p) for n, p in self._watched if p.requires_grad and id(p) not in outside]
         if self.momentum is not None:
             raise ValueError(
                 f"rank {self.rt.rank}: {self.owner}: the parameters that require grad changed, and "

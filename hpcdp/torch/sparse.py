@@ -52,15 +52,10 @@ class SparseGrads:
     """The sparse weights of a model and their exchange (see the module docstring)."""
 
     def __init__(self, named, reducer):
-        self.names = [n for n, _ in named]
-        self.weights = [p for _, p in named]
+        self.names, self.weights, self._hooked = [], [], []
         self.reducer = reducer
         self.exchange = RowsExchange(reducer.rt, "sparse gradient rows")
-        self._hooked = [False] * len(self.weights)
-        for name, p in named:
-            reducer.check_param(name, p)
-            p._hpcdp_reducer_owner = reducer.owner
-        self.hook()
+        self.add(named)
 
     def add(self, named) -> None:
         """Exchange the rows of the weights ``named`` too (from the next pass on)."""
