@@ -31,7 +31,7 @@ def _mpi_size_rank():
 def pytest_configure(config):
     if not _mpi_run(config):
         return
-    size, rank = _mpi_size_rank()
+    _size, rank = _mpi_size_rank()
     if rank != 0:
         reporter = config.pluginmanager.getplugin("terminalreporter")
         if reporter is not None:

@@ -528,7 +528,7 @@ def _call_once(fn):
     """A plain-function operation as a generator that needs no requests."""
     fn()
     return
-    yield  # noqa: unreachable; makes this a generator
+    yield  # (unreachable: makes this a generator)
 
 
 def rank_ranges(ranks: list[int]) -> str:

@@ -21,8 +21,8 @@ Rules (torch DDP's, plus one):
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 __all__ = ["BucketSpec", "plan_buckets"]
 

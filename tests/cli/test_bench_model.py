@@ -183,7 +183,7 @@ def test_calibrate_times_both_device_transports_on_a_gpu(world, rt):
 def test_calibrate_print_only_writes_nothing_and_agrees_across_ranks(world, tmp_path, capsys):
     from hpcdp._runtime import runtime
     from hpcdp.cli import bench_calibrate
-    cal, measured, _ = bench_calibrate.measure(runtime(), reps=3)
+    cal, _measured, _ = bench_calibrate.measure(runtime(), reps=3)
     assert world.allgather(cal) == [cal] * world.Get_size()
     assert bench_calibrate.main(["--print-only", "--out", str(tmp_path / "x.json"),
                                  "--reps", "2"]) == 0

@@ -132,7 +132,7 @@ def test_one_rank_and_horovods_fp16_flag_inside_join():
     p = synthetic(1, "--model", "resnet18", "--image-size", "32", "--batch-size", "2",
                   "--num-warmup-batches", "1", "--num-batches-per-iter", "1", "--num-iters", "2",
                   "--fp16-allreduce", "--modes", "hpcdp,ddp,local", "--join")
-    blocks, recs = parse(p)
+    _blocks, recs = parse(p)
     assert [(r["mode"], r["compression"], r["np"], r["join"]) for r in recs] == [
         ("hpcdp", "fp16", 1, True), ("ddp", "fp16", 1, True), ("local", None, 1, True)]
     assert recs[0]["bytes_sent_per_step"] == 0  # one rank: nothing to send

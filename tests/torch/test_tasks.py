@@ -16,7 +16,7 @@ def lm():
 @pytest.mark.parametrize("name", ["digits-mlp", "digits-cnn"])
 def test_digits_tasks_load_and_build_deterministically(name):
     task = load_task(name, seed=0)
-    x_tr, y_tr, x_te, y_te = task.data
+    x_tr, y_tr, x_te, _y_te = task.data
     assert len(x_tr) == 1437 and len(x_te) == 360 and x_tr.dtype == torch.float32
     assert y_tr.dtype == torch.int64 and int(y_tr.max()) == 9
     a, b = task.build(0), task.build(0)
